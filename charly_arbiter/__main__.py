@@ -1,0 +1,3 @@
+from charly_arbiter.cli import main
+
+main()

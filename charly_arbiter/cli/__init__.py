@@ -1,0 +1,51 @@
+"""The `charly-arbiter` command: a thin click layer over the arbiter.
+
+Commands live one concept per module and are imported only when used.  The
+libvirt hook (`charly-arbiter hook …`) bypasses click entirely: it runs on
+every VM start and stop, and its path must import almost nothing.
+
+Errors are turned into one or two sentences on stderr here, at one boundary;
+a traceback only with `-v`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+COMMANDS = {
+    "status": "charly_arbiter.cli.status:status",
+    "acquire": "charly_arbiter.cli.claims:acquire",
+    "release": "charly_arbiter.cli.claims:release",
+    "restore": "charly_arbiter.cli.claims:restore",
+    "poison": "charly_arbiter.cli.poison:poison",
+    "sim": "charly_arbiter.cli.sim:sim",
+    "detect": "charly_arbiter.cli.detect:detect",
+    "doctor": "charly_arbiter.cli.doctor:doctor",
+    "plan": "charly_arbiter.cli.plan:plan",
+    "explain": "charly_arbiter.cli.explain:explain",
+    "history": "charly_arbiter.cli.history:history",
+    "metrics": "charly_arbiter.cli.metrics:metrics",
+}
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["hook"]:
+        from charly_arbiter.hook import main as hook_main
+
+        sys.exit(hook_main(args[1:]))
+    from charly_arbiter.cli.app import build
+
+    build(COMMANDS)(args=args, prog_name="charly-arbiter")
+    sys.exit(0)
+
+
+def load(spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+__all__ = ["COMMANDS", "Path", "load", "main"]

@@ -1,0 +1,160 @@
+"""The click group: global options, lazy commands and the one error boundary."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from charly_arbiter import __version__
+from charly_arbiter.errors import ArbiterError
+from charly_arbiter.logsetup import log_setup
+
+log = logging.getLogger("charly_arbiter.cli")
+
+
+@dataclass
+class App:
+    """What every command shares: the options, and the objects built from them on demand."""
+
+    config_path: Path | None
+    state_dir: Path | None
+    host_spec: str | None
+    verbose: int
+    _built: dict[str, Any] = field(default_factory=dict)
+
+    def config(self) -> Any:
+        if "config" not in self._built:
+            from charly_arbiter.config import load_config
+
+            self._built["config"] = load_config(
+                self.config_path, state_dir=self.state_dir, host=self.host_spec
+            )
+        return self._built["config"]
+
+    def host(self) -> Any:
+        if "host" not in self._built:
+            from charly_arbiter.hosts import open_host
+
+            self._built["host"] = open_host(self.config())
+        return self._built["host"]
+
+    def ledger(self) -> Any:
+        if "ledger" not in self._built:
+            from charly_arbiter.ledger import Ledger
+
+            config = self.config()
+            self._built["ledger"] = Ledger(config.state_dir, config.timeouts.lock_wait)
+        return self._built["ledger"]
+
+    def arbiter(self) -> Any:
+        if "arbiter" not in self._built:
+            from charly_arbiter.arbiter import Arbiter
+            from charly_arbiter.eventlog import events_for
+
+            config = self.config()
+            self._built["arbiter"] = Arbiter(config, self.host(), self.ledger(), events_for(config))
+        return self._built["arbiter"]
+
+    def close(self) -> None:
+        host = self._built.get("host")
+        if host is not None:
+            host.close()
+
+
+class LazyGroup(click.Group):
+    """Imports a command's module only when that command runs (or help lists it)."""
+
+    def __init__(self, *args: Any, lazy: Mapping[str, str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = {
+            name: spec
+            for name, spec in lazy.items()
+            if importlib.util.find_spec(spec.partition(":")[0]) is not None
+        }
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(self.lazy)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        from charly_arbiter.cli import load
+
+        spec = self.lazy.get(cmd_name)
+        return load(spec) if spec else None
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ArbiterError as error:
+            _report(ctx, error)
+            sys.exit(error.exit_code)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except Exception as error:  # the boundary: a plain sentence, a traceback with -v
+            app = ctx.find_object(App)
+            if app is not None and app.verbose:
+                traceback.print_exc()
+            click.echo(
+                f"charly-arbiter: internal error: {type(error).__name__}: {error} "
+                "(run with -v for details)",
+                err=True,
+            )
+            sys.exit(1)
+        finally:
+            app = ctx.find_object(App)
+            if app is not None:
+                app.close()
+
+
+def _report(ctx: click.Context, error: ArbiterError) -> None:
+    app = ctx.find_object(App)
+    if app is not None and app.verbose:
+        traceback.print_exc()
+    click.echo(f"charly-arbiter: {error}", err=True)
+    if error.hint:
+        click.echo(f"hint: {error.hint}", err=True)
+
+
+def build(lazy: Mapping[str, str]) -> click.Group:
+    @click.group(cls=LazyGroup, lazy=lazy, context_settings={"help_option_names": ["-h", "--help"]})
+    @click.version_option(__version__, prog_name="charly-arbiter")
+    @click.option(
+        "--config",
+        "config_path",
+        type=click.Path(path_type=Path, dir_okay=False),
+        help="Configuration file (default /etc/charly-arbiter/arbiter.toml; "
+        "env CHARLY_ARBITER_CONFIG).",
+    )
+    @click.option(
+        "--state-dir",
+        type=click.Path(path_type=Path, file_okay=False),
+        help="Where the ledger lives (default /var/lib/charly-arbiter; "
+        "env CHARLY_ARBITER_STATE_DIR).",
+    )
+    @click.option(
+        "--host",
+        "host_spec",
+        metavar="local|sim:DIR",
+        help="The host to act on (env CHARLY_ARBITER_HOST; default local).",
+    )
+    @click.option("-v", "--verbose", count=True, help="More log output; tracebacks on errors.")
+    @click.pass_context
+    def cli(
+        ctx: click.Context,
+        config_path: Path | None,
+        state_dir: Path | None,
+        host_spec: str | None,
+        verbose: int,
+    ) -> None:
+        """Arbitrate GPUs between passthrough VMs, containers and host services."""
+        log_setup(verbose)
+        ctx.obj = App(config_path, state_dir, host_spec, verbose)
+
+    return cli

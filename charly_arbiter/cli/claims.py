@@ -1,0 +1,56 @@
+"""`acquire`, `release` and `restore`: the same functions the hook uses."""
+
+from __future__ import annotations
+
+import click
+
+from charly_arbiter.cli.app import App
+from charly_arbiter.model import Mode
+
+
+@click.command()
+@click.option("--exclusive", "mode", flag_value=Mode.EXCLUSIVE.value, help="Sole use (vfio-pci).")
+@click.option("--shared", "mode", flag_value=Mode.SHARED.value, help="Refcounted, home driver.")
+@click.option("--transient", is_flag=True, help="A short use, always stranded after a reboot.")
+@click.argument("claimant")
+@click.argument("tokens", nargs=-1, required=True)
+@click.pass_obj
+def acquire(app: App, mode: str | None, transient: bool, claimant: str, tokens: tuple[str]) -> None:
+    """Claim TOKENS for CLAIMANT (KIND:NAME), stopping what must make room."""
+    if mode is None:
+        raise click.UsageError("say --exclusive or --shared")
+    plan = app.arbiter().acquire(claimant, Mode(mode), list(tokens), transient=transient)
+    if plan.already_held:
+        click.echo(f"{plan.claimant} already holds {', '.join(plan.tokens)} ({plan.mode})")
+        return
+    stopped = ", ".join(step.holder for step in plan.stops)
+    click.echo(
+        f"{plan.claimant} holds {', '.join(plan.tokens)} ({plan.mode})"
+        + (f"; stopped {stopped}" if stopped else "")
+    )
+
+
+@click.command()
+@click.option("--failed", is_flag=True, help="The claimant failed to start.")
+@click.argument("claimant")
+@click.pass_obj
+def release(app: App, failed: bool, claimant: str) -> None:
+    """Release CLAIMANT's lease; the last lease on a GPU sends it home."""
+    if app.arbiter().release_claimant(claimant, success=not failed):
+        click.echo(f"released {claimant}")
+    else:
+        click.echo(f"{claimant} holds no lease")
+
+
+@click.command()
+@click.option("--stranded", is_flag=True, help="Every stranded claimant (the default).")
+@click.option("--dry-run", is_flag=True, help="Only say which claimants would be restored.")
+@click.argument("claimants", nargs=-1)
+@click.pass_obj
+def restore(app: App, stranded: bool, dry_run: bool, claimants: tuple[str]) -> None:
+    """Bring the host back: restore what leases stopped, send GPUs home, drop the leases."""
+    if stranded and claimants:
+        raise click.UsageError("give either --stranded or claimant names, not both")
+    done = app.arbiter().restore(list(claimants) or None, dry_run=dry_run)
+    verb = "would restore" if dry_run else "restored"
+    click.echo(f"{verb} {', '.join(done)}" if done else "nothing to restore")

@@ -1,0 +1,183 @@
+"""The errors an operator can meet, each carrying what is needed to act on it.
+
+Every error names the object (token, claimant, file) and, where one exists, the
+command that fixes it (`hint`).  The CLI and the hook print `str(error)` and the
+hint as one or two plain sentences; nothing else needs to know the wording.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class ArbiterError(Exception):
+    """Base of every error the arbiter raises on purpose.
+
+    `exit_code` is the CLI's exit status for it: 1 for errors, 3 for refusals.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(ArbiterError):
+    """The configuration file cannot be read or is not valid."""
+
+    def __init__(self, path: Path | str, key: str | None, why: str) -> None:
+        where = f"{path}: {key}" if key else str(path)
+        super().__init__(f"{where}: {why}", hint=f"fix {path} and run the command again")
+        self.path = Path(path)
+        self.key = key
+        self.why = why
+
+
+class InvalidAddress(ArbiterError):
+    """A PCI address that is not of the strict `DDDD:BB:DD.F` form."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(
+            f"{text!r} is not a PCI address (expected lower-case DDDD:BB:DD.F, e.g. 0000:0a:00.0)"
+        )
+        self.text = text
+
+
+class InvalidClaimant(ArbiterError):
+    """A claimant name that is not `KIND:NAME`."""
+
+    def __init__(self, text: str, why: str) -> None:
+        super().__init__(f"{text!r} is not a claimant: {why}")
+        self.text = text
+
+
+class UnknownToken(ArbiterError):
+    def __init__(self, token: str, known: list[str]) -> None:
+        names = ", ".join(known) if known else "none"
+        super().__init__(
+            f"there is no token named {token!r} (known tokens: {names})",
+            hint="run `charly-arbiter status` to see the tokens",
+        )
+        self.token = token
+
+
+class HostError(ArbiterError):
+    """The host could not be opened or queried (not a refusal, not a switch failure)."""
+
+
+class StateDirUnsafe(ArbiterError):
+    """The state directory or a ledger file could be tampered with by someone else."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(
+            f"refusing to use {path}: {why}",
+            hint=f"make {path} a root-owned directory with mode 0700 (files 0600), not a symlink",
+        )
+        self.path = path
+
+
+class LedgerCorrupt(ArbiterError):
+    """The ledger does not verify; it is never read as "no leases"."""
+
+    def __init__(self, path: Path, why: str, hint: str | None = None) -> None:
+        super().__init__(
+            f"the ledger {path} is corrupt: {why}",
+            hint=hint
+            or f"move {path} aside, check the host by hand, then run `charly-arbiter restore`",
+        )
+        self.path = path
+        self.why = why
+
+
+class LedgerBusy(ArbiterError):
+    """The ledger lock was not free within the configured wait."""
+
+    def __init__(self, path: Path, waited: float, holder_pid: int | None) -> None:
+        who = f" by process {holder_pid}" if holder_pid else ""
+        super().__init__(
+            f"the ledger lock {path} is held{who}; gave up after {waited:g} s",
+            hint="wait for that command to finish; never delete the lock file",
+        )
+        self.path = path
+        self.holder_pid = holder_pid
+
+
+class LedgerWriteFailed(ArbiterError):
+    """Writing a new ledger generation failed; the previous one is still in place."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"could not write the ledger {path}: {why}; the previous state is kept")
+        self.path = path
+
+
+class ClaimRefused(ArbiterError):
+    """A claim that the rules do not allow right now."""
+
+    exit_code = 3
+
+    def __init__(self, token: str, claimant: str, why: str, hint: str | None = None) -> None:
+        super().__init__(f"{claimant} cannot claim {token}: {why}", hint=hint)
+        self.token = token
+        self.claimant = claimant
+        self.why = why
+
+
+class TokenPoisoned(ClaimRefused):
+    def __init__(self, token: str, claimant: str, reason: str, since: str) -> None:
+        super().__init__(
+            token,
+            claimant,
+            f"{token} is poisoned since {since} ({reason})",
+            hint=(
+                f"check the GPU and its driver by hand, then run "
+                f"`charly-arbiter poison clear {token}`"
+            ),
+        )
+        self.reason = reason
+
+
+class SwitchFailed(ArbiterError):
+    """A driver switch or its verification failed; the token gets poisoned."""
+
+    def __init__(self, address: str, driver: str, step: str, why: str) -> None:
+        super().__init__(f"{address}: switching to {driver} failed at {step}: {why}")
+        self.address = address
+        self.driver = driver
+        self.step = step
+        self.why = why
+
+
+class SwitchHung(SwitchFailed):
+    """A sysfs write did not return within the watchdog's timeout."""
+
+    def __init__(self, address: str, driver: str, step: str, timeout: float) -> None:
+        super().__init__(address, driver, step, f"the write did not return within {timeout:g} s")
+        self.timeout = timeout
+
+
+class HolderError(ArbiterError):
+    """Stopping or starting a holder failed."""
+
+    def __init__(self, holder: str, action: str, why: str) -> None:
+        super().__init__(f"could not {action} {holder}: {why}")
+        self.holder = holder
+        self.action = action
+        self.why = why
+
+
+class CommandFailed(ArbiterError):
+    """An external command exited with a status that is not accepted."""
+
+    def __init__(self, argv: list[str], returncode: int | None, stderr: str) -> None:
+        status = "timed out" if returncode is None else f"exited with {returncode}"
+        detail = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+        tail = f": {detail}" if detail else ""
+        super().__init__(f"{argv[0]} {status}{tail}")
+        self.argv = argv
+        self.returncode = returncode
+        self.stderr = stderr

@@ -1,0 +1,161 @@
+"""The arbiter's vocabulary: claimants, leases and the ledger's contents.
+
+Everything here is a frozen value.  The ledger reads and writes `LedgerState`;
+the planner decides over it; nothing in this module touches the outside world.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from charly_arbiter.errors import InvalidClaimant
+
+HOME = "home"  # a switch target meaning "each function's own home driver"
+VFIO = "vfio-pci"
+
+_KIND = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+_MAX_NAME = 256
+
+
+class Mode(StrEnum):
+    EXCLUSIVE = "exclusive"
+    SHARED = "shared"
+
+
+class LeaseState(StrEnum):
+    """Where a lease is in its intent journal.
+
+    ACQUIRING and RELEASING are written *before* the outside world is touched,
+    so a crash at any point leaves the plan on disk for `restore`.
+    """
+
+    ACQUIRING = "acquiring"
+    ACTIVE = "active"
+    RELEASING = "releasing"
+
+
+class StepState(StrEnum):
+    PLANNED = "planned"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, order=True)
+class Claimant:
+    """Who claims or holds a GPU, written `KIND:NAME` (`libvirt:win11`, `process:1234`)."""
+
+    kind: str
+    name: str
+
+    @classmethod
+    def parse(cls, text: str) -> Claimant:
+        kind, sep, name = text.partition(":")
+        if not sep:
+            raise InvalidClaimant(text, "write it as KIND:NAME, e.g. libvirt:win11")
+        if _KIND.fullmatch(kind) is None:
+            raise InvalidClaimant(text, "the kind must be a lower-case word such as libvirt")
+        if not name or len(name) > _MAX_NAME:
+            raise InvalidClaimant(text, f"the name must have 1 to {_MAX_NAME} characters")
+        if any(ord(char) < 32 or ord(char) == 127 for char in name):
+            raise InvalidClaimant(text, "the name contains control characters")
+        if kind == "process" and not name.isdigit():
+            raise InvalidClaimant(text, "a process claimant is process:PID")
+        return cls(kind, name)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.name}"
+
+
+@dataclass(frozen=True)
+class StoppedHolder:
+    """A holder a lease stopped (or will stop) and must bring back.
+
+    `shared_tokens` is set when the holder was itself a shared claimant: its
+    lease moved into this record, and is recreated when it comes back.
+    """
+
+    holder: str
+    state: StepState = StepState.PLANNED
+    shared_tokens: tuple[str, ...] = ()
+    restored: bool = False
+
+
+@dataclass(frozen=True)
+class Lease:
+    claimant: str
+    mode: Mode
+    tokens: tuple[str, ...]
+    state: LeaseState
+    transient: bool
+    boot_id: str
+    created: str
+    owner_pid: int = 0
+    stopped: tuple[StoppedHolder, ...] = ()
+    # token -> StepState of its driver switch (planned while acquiring/releasing)
+    switched: tuple[tuple[str, StepState], ...] = ()
+    note: str = ""
+
+    def switch_state(self, token: str) -> StepState | None:
+        return dict(self.switched).get(token)
+
+    def with_switch(self, token: str, state: StepState) -> Lease:
+        steps = dict(self.switched)
+        steps[token] = state
+        return replace(self, switched=tuple(sorted(steps.items())))
+
+    def with_stopped(self, record: StoppedHolder) -> Lease:
+        records = [r if r.holder != record.holder else record for r in self.stopped]
+        if all(r.holder != record.holder for r in self.stopped):
+            records.append(record)
+        return replace(self, stopped=tuple(records))
+
+
+@dataclass(frozen=True)
+class Poison:
+    reason: str
+    since: str
+
+
+@dataclass(frozen=True)
+class LedgerState:
+    """The whole ledger.  `homes` maps token -> {address: home driver}, recorded
+    the first time a token is seen so that it can always be sent home."""
+
+    generation: int = 0
+    leases: tuple[Lease, ...] = ()
+    homes: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    poisoned: tuple[tuple[str, Poison], ...] = ()
+
+    def lease_of(self, claimant: str) -> Lease | None:
+        return next((lease for lease in self.leases if lease.claimant == claimant), None)
+
+    def leases_on(self, token: str) -> list[Lease]:
+        return [lease for lease in self.leases if token in lease.tokens]
+
+    def home_of(self, token: str) -> dict[str, str]:
+        return dict(dict(self.homes).get(token, ()))
+
+    def poison_of(self, token: str) -> Poison | None:
+        return dict(self.poisoned).get(token)
+
+    def with_lease(self, lease: Lease) -> LedgerState:
+        others = tuple(item for item in self.leases if item.claimant != lease.claimant)
+        return replace(self, leases=(*others, lease))
+
+    def without_lease(self, claimant: str) -> LedgerState:
+        return replace(self, leases=tuple(x for x in self.leases if x.claimant != claimant))
+
+    def with_home(self, token: str, home: dict[str, str]) -> LedgerState:
+        homes = dict(self.homes)
+        homes[token] = tuple(sorted(home.items()))
+        return replace(self, homes=tuple(sorted(homes.items())))
+
+    def with_poison(self, token: str, poison: Poison | None) -> LedgerState:
+        poisoned = dict(self.poisoned)
+        if poison is None:
+            poisoned.pop(token, None)
+        else:
+            poisoned[token] = poison
+        return replace(self, poisoned=tuple(sorted(poisoned.items())))
