@@ -1,0 +1,40 @@
+"""Holders on the real host, one module per kind.
+
+`LocalHost` answers holder questions by asking each source in turn; a source
+says which refs it owns (by kind) and implements discovery, liveness, stop and
+start for them.  Sources are imported only when a ref of their kind comes up,
+so the hook's path for a domain with no claim never imports libvirt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from charly_arbiter.host import Holder, TokenSpec
+
+# kind -> "module:class"; each class is built with (config) and implements HolderSource.
+SOURCES = {
+    "process": "charly_arbiter.holders.process:ProcessHolders",
+    "systemd": "charly_arbiter.holders.systemd:SystemdHolders",
+    "container": "charly_arbiter.holders.container:ContainerHolders",
+    "libvirt": "charly_arbiter.holders.libvirt:LibvirtHolders",
+}
+
+
+class HolderSource(Protocol):
+    kind: str
+
+    def holders(self, tokens: Sequence[TokenSpec]) -> Sequence[Holder]:
+        """Every holder of this kind that uses one of `tokens`, running or not."""
+        ...
+
+    def is_running(self, ref: str) -> bool: ...
+
+    def stop(self, ref: str) -> None:
+        """Stop it within the configured timeout, or raise `HolderError`."""
+        ...
+
+    def start(self, ref: str) -> None:
+        """Start it again (or do nothing, for what cannot be restarted)."""
+        ...

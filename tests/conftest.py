@@ -1,0 +1,155 @@
+"""Fixtures shared by every test: a simulated host in a temp directory, and
+the real CLI run as a separate process against it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from charly_arbiter.arbiter import Arbiter
+from charly_arbiter.config import load_config
+from charly_arbiter.ledger import Ledger
+from charly_arbiter.simhost import SimHost
+
+REPO = Path(__file__).resolve().parent.parent
+
+# One GPU with its audio function (gpu0), a second GPU alone (gpu1), and holders.
+DEFAULT_HOST = """
+[[devices]]
+address = "0000:0a:00.0"
+vendor = "10de"
+device = "2684"
+class = "030000"
+driver = "nvidia"
+iommu_group = 12
+
+[[devices]]
+address = "0000:0a:00.1"
+vendor = "10de"
+device = "22ba"
+class = "040300"
+driver = "snd_hda_intel"
+iommu_group = 12
+
+[[devices]]
+address = "0000:0b:00.0"
+vendor = "10de"
+device = "2204"
+class = "030000"
+driver = "nvidia"
+iommu_group = 13
+
+[[holders]]
+kind = "container"
+name = "llm"
+tokens = ["gpu0"]
+preemptible = true
+running = true
+
+[[holders]]
+kind = "systemd"
+name = "ollama.service"
+tokens = ["gpu0"]
+preemptible = true
+running = true
+
+[[holders]]
+kind = "systemd"
+name = "display-manager.service"
+tokens = ["gpu1"]
+preemptible = false
+running = true
+"""
+
+DEFAULT_CONFIG = """
+host = "sim:{sim}"
+state_dir = "{state}"
+
+[timeouts]
+lock_wait = 20
+driver_switch = 2
+claim_grace = 0.001
+
+[tokens.gpu0]
+address = "0000:0a:00.0"
+
+[tokens.gpu1]
+address = "0000:0b:00.0"
+"""
+
+
+@dataclass
+class SimEnv:
+    """A simulated host, its configuration and state directory, all under tmp_path."""
+
+    root: Path
+    sim_dir: Path
+    state_dir: Path
+    config_path: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CHARLY_ARBITER_")}
+        env["CHARLY_ARBITER_CONFIG"] = str(self.config_path)
+        env.update(extra)
+        return env
+
+    def cli(
+        self, *args: str, check: bool = False, env: dict[str, str] | None = None, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the real `charly-arbiter` CLI as its own process."""
+        result = subprocess.run(
+            [sys.executable, "-m", "charly_arbiter", *args],
+            capture_output=True,
+            text=True,
+            env=env or self.env(),
+            timeout=timeout,
+            cwd=REPO,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"charly-arbiter {' '.join(args)} exited {result.returncode}:\n{result.stderr}"
+            )
+        return result
+
+    def status(self) -> dict[str, Any]:
+        result = self.cli("status", "--json")
+        return json.loads(result.stdout)  # type: ignore[no-any-return]
+
+    def host(self) -> SimHost:
+        return SimHost(self.sim_dir, switch_timeout=2)
+
+    def arbiter(self) -> Arbiter:
+        config = load_config(self.config_path, environ={})
+        return Arbiter(config, self.host(), Ledger(config.state_dir, config.timeouts.lock_wait))
+
+    def set_host(self, text: str) -> None:
+        (self.sim_dir / "host.toml").write_text(text)
+
+
+@pytest.fixture
+def make_sim(tmp_path: Path) -> Callable[..., SimEnv]:
+    def make(host: str = DEFAULT_HOST, config: str = DEFAULT_CONFIG, name: str = "sim") -> SimEnv:
+        root = tmp_path / name
+        sim_dir = root / "host"
+        state_dir = root / "state"
+        sim_dir.mkdir(parents=True)
+        os.chmod(root, 0o700)
+        (sim_dir / "host.toml").write_text(host)
+        config_path = root / "arbiter.toml"
+        config_path.write_text(config.format(sim=sim_dir, state=state_dir))
+        return SimEnv(root, sim_dir, state_dir, config_path)
+
+    return make
+
+
+@pytest.fixture
+def sim(make_sim: Callable[..., SimEnv]) -> SimEnv:
+    return make_sim()
