@@ -8,9 +8,12 @@ so the hook's path for a domain with no claim never imports libvirt.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from typing import Protocol
 
+from charly_arbiter.config import Config
+from charly_arbiter.errors import HostError
 from charly_arbiter.host import Holder, TokenSpec
 
 # kind -> "module:class"; each class is built with (config) and implements HolderSource.
@@ -38,3 +41,36 @@ class HolderSource(Protocol):
     def start(self, ref: str) -> None:
         """Start it again (or do nothing, for what cannot be restarted)."""
         ...
+
+
+class HolderRegistry:
+    """Builds each kind's source on first use and routes a ref to it by its kind."""
+
+    def __init__(self, config: Config, kinds: Sequence[str] = tuple(SOURCES)) -> None:
+        self.config = config
+        self.kinds = tuple(kinds)
+        self._sources: dict[str, HolderSource] = {}
+
+    def source(self, kind: str) -> HolderSource | None:
+        if kind not in self.kinds:
+            return None
+        if kind not in self._sources:
+            module, _, name = SOURCES[kind].partition(":")
+            factory = getattr(importlib.import_module(module), name)
+            self._sources[kind] = factory(self.config)
+        return self._sources[kind]
+
+    def for_ref(self, ref: str) -> HolderSource:
+        kind = ref.partition(":")[0]
+        source = self.source(kind)
+        if source is None:
+            raise HostError(f"{ref}: this host has no holders of kind {kind!r}")
+        return source
+
+    def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
+        found: list[Holder] = []
+        for kind in self.kinds:
+            source = self.source(kind)
+            if source is not None:
+                found.extend(source.holders(tokens))
+        return found
