@@ -83,6 +83,9 @@ class Arbiter:
         self.host = host
         self.ledger = ledger
         self.events = events or Events()
+        # Written into in-progress leases; `restore` treats them as stranded
+        # once this process is gone.
+        self.pid = os.getpid()
         self._token_cache: dict[str, TokenSpec] | None = None
 
     # -- tokens ----------------------------------------------------------------
@@ -134,15 +137,17 @@ class Arbiter:
         tokens = self.resolve(token_names)
         holders = self.host.holders(tokens)
         state = self.ledger.read()
+        boot_id = self.host.boot_id()
         return decide_claim(
             state,
             claimant,
             mode,
             tokens,
             holders,
-            self.stranded_claimants(state),
+            self._stranded_unlocked(state, boot_id),
             transient=transient,
             policy=policy,
+            boot_id=boot_id,
         )
 
     # -- acquiring ---------------------------------------------------------------
@@ -163,15 +168,17 @@ class Arbiter:
         boot_id = self.host.boot_id()
         with self.ledger.transaction() as txn:
             try:
+                stranded = self._stranded_unlocked(txn.state, boot_id)
                 plan = decide_claim(
                     txn.state,
                     claimant,
                     mode,
                     tokens,
                     holders,
-                    self._stranded_unlocked(txn.state, boot_id),
+                    stranded,
                     transient=transient,
                     policy=policy,
+                    boot_id=boot_id,
                 )
             except ArbiterError as refusal:
                 self.events.emit(
@@ -179,6 +186,11 @@ class Arbiter:
                 )
                 raise
             if plan.already_held:
+                own = txn.state.lease_of(claimant)
+                if own is not None and claimant in stranded:
+                    # The claimant is starting again (a VM restarted without its
+                    # release hook): its grace period starts over.
+                    txn.state = txn.state.with_lease(replace(own, created=now()))
                 return plan
             txn.state = self._intent_unlocked(txn.state, plan, boot_id)
         self.events.emit("claim", claimant=claimant, token=",".join(plan.tokens), mode=str(mode))
@@ -188,6 +200,9 @@ class Arbiter:
             self._switch_tokens(claimant, plan, by_name)
         except ArbiterError as error:
             log.error("%s: claim failed, undoing it: %s", claimant, error)
+            self.events.emit(
+                "failed", claimant=claimant, token=",".join(plan.tokens), why=str(error)
+            )
             self._finish_release(claimant, success=False, reason=str(error))
             raise
         for name in plan.cdi_tokens:
@@ -195,9 +210,12 @@ class Arbiter:
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
+                # `created` restarts here: claim_grace counts from the moment the
+                # claimant may start, not from the intent (stopping holders takes time).
                 txn.state = txn.state.with_lease(
-                    replace(lease, state=LeaseState.ACTIVE, owner_pid=0)
+                    replace(lease, state=LeaseState.ACTIVE, owner_pid=0, created=now())
                 )
+        self.events.emit("active", claimant=claimant, token=",".join(plan.tokens), mode=str(mode))
         crashpoint("acquire.active")
         return plan
 
@@ -217,7 +235,7 @@ class Arbiter:
             transient=plan.transient,
             boot_id=boot_id,
             created=now(),
-            owner_pid=os.getpid(),
+            owner_pid=self.pid,
             stopped=tuple(stopped),
             switched=tuple(sorted((t, StepState.PLANNED) for t in plan.switched_tokens)),
         )
@@ -225,6 +243,7 @@ class Arbiter:
 
     def _stop_holders(self, claimant: str, plan: ClaimPlan) -> None:
         for step in plan.stops:
+            self.events.emit("stopping", claimant=claimant, holder=step.holder, how=step.how)
             crashpoint("acquire.stop")
             if self.host.is_running(step.holder):
                 log.info("%s: stopping %s (%s)", claimant, step.holder, step.how)
@@ -242,6 +261,7 @@ class Arbiter:
     def _switch_tokens(self, claimant: str, plan: ClaimPlan, by_name: dict[str, TokenSpec]) -> None:
         for token in plan.switched_tokens:
             targets = {s.address: s.to_driver for s in plan.switches if s.token == token}
+            self.events.emit("switching", claimant=claimant, token=token, driver=_drivers(targets))
             crashpoint("acquire.switch")
             self._switch(by_name[token], targets, claimant)
             with self.ledger.transaction() as txn:
@@ -261,7 +281,7 @@ class Arbiter:
             "switched",
             token=token.name,
             claimant=claimant,
-            driver=",".join(sorted(set(targets.values())) or ["home"]),
+            driver=_drivers(targets),
             seconds=round(time.monotonic() - started, 3),
         )
 
@@ -356,7 +376,7 @@ class Arbiter:
         releasing = replace(
             lease,
             state=LeaseState.RELEASING,
-            owner_pid=os.getpid(),
+            owner_pid=self.pid,
             switched=tuple(sorted(switched)),
             note=note or lease.note,
         )
@@ -377,6 +397,9 @@ class Arbiter:
                 if current.get(address) == VFIO or (driver and current.get(address) != driver)
             }
             if targets:
+                self.events.emit(
+                    "switching", claimant=claimant, token=token.name, driver=_drivers(targets)
+                )
                 crashpoint("release.switch")
                 try:
                     self._switch(token, targets, claimant)
@@ -427,6 +450,7 @@ class Arbiter:
         # running now was running when the claim was decided.
         if not self.host.is_running(record.holder):
             log.info("%s: starting %s again", claimant, record.holder)
+            self.events.emit("starting", claimant=claimant, holder=record.holder)
             self.host.start(record.holder)
         self.events.emit("restored", claimant=claimant, holder=record.holder)
         if record.shared_tokens and self.host.is_running(record.holder):
@@ -544,6 +568,11 @@ class Arbiter:
 
     def _fresh_functions(self, token: TokenSpec) -> Sequence[PciFunction]:
         return self.host.token_functions(token.name, token.address)
+
+
+def _drivers(targets: dict[str, str]) -> str:
+    """The target drivers of a switch, as events name them ("home" for the kernel's choice)."""
+    return ",".join(sorted({driver or "home" for driver in targets.values()}))
 
 
 def _pid_alive(pid: int) -> bool:

@@ -2,18 +2,28 @@
 poisoning and clear goes through `Events.emit`.
 
 The arbiter only emits; where events go (the log, the history file, the
-journal) is decided here, so adding a destination touches no rule.
+journal, a terminal's progress line) is decided in `eventlog`, so adding a
+destination touches no rule.  `describe` is the one sentence for each kind of
+event, shared by the history, the journal and the progress lines so that an
+operator reads the same words everywhere.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 log = logging.getLogger("charly_arbiter.events")
 
 Sink = Callable[[str, dict[str, Any]], None]
+
+# Events that begin a step which may take long (a VM shutting down, a bind);
+# each is followed by a completion from the same process unless it died there.
+STEP_STARTS = frozenset({"stopping", "switching", "starting"})
+# Events an operator should notice (journal priority warning or error).
+WARNINGS = frozenset({"refused", "failed", "restore-failed"})
+ERRORS = frozenset({"poisoned"})
 
 
 class Events:
@@ -28,3 +38,35 @@ class Events:
                 sink(kind, fields)
             except Exception:
                 log.exception("could not record event %s", kind)
+
+
+def describe(kind: str, fields: Mapping[str, Any]) -> str:
+    """One plain sentence for an event, e.g. "libvirt:win11 claims gpu0 (exclusive)"."""
+    get = {key: str(value) for key, value in fields.items()}.get
+    claimant = get("claimant", "?")
+    token = get("token", "?")
+    holder = get("holder", "?")
+    why = get("why", "")
+    sentences: dict[str, Callable[[], str]] = {
+        "claim": lambda: f"{claimant} claims {token} ({get('mode', '?')})",
+        "refused": lambda: f"{claimant} was refused {token}: {why}",
+        "stopping": lambda: f"{claimant}: stopping {holder} ({get('how', 'stop')})",
+        "preempted": lambda: f"{claimant}: stopped {holder} ({get('how', 'stop')})",
+        "switching": lambda: f"{claimant}: switching {token} to {get('driver', '?')}",
+        "switched": lambda: (
+            f"{token} is now on {get('driver', '?')} for {claimant} (took {get('seconds', '?')} s)"
+        ),
+        "active": lambda: f"{claimant} holds {token} ({get('mode', '?')})",
+        "poisoned": lambda: f"{token} is poisoned ({claimant}'s switch failed): {why}",
+        "release": lambda: f"{claimant} releases its lease",
+        "failed": lambda: f"{claimant}'s claim failed and is undone: {why}",
+        "restore": lambda: f"restoring {claimant}",
+        "starting": lambda: f"{claimant}: starting {holder} again",
+        "restored": lambda: f"{claimant}: {holder} runs again",
+        "restore-failed": lambda: f"{claimant}: could not start {holder} again: {why}",
+        "poison-cleared": lambda: f"the poison of {token} was cleared",
+    }
+    sentence = sentences.get(kind)
+    if sentence is not None:
+        return sentence()
+    return " ".join([kind, *(f"{key}={value}" for key, value in fields.items())])

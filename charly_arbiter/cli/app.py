@@ -60,7 +60,8 @@ class App:
             from charly_arbiter.eventlog import events_for
 
             config = self.config()
-            self._built["arbiter"] = Arbiter(config, self.host(), self.ledger(), events_for(config))
+            events = events_for(config, progress=True)
+            self._built["arbiter"] = Arbiter(config, self.host(), self.ledger(), events)
         return self._built["arbiter"]
 
     def close(self) -> None:
