@@ -114,6 +114,14 @@ class Arbiter:
             raise UnknownToken(missing[0], sorted(known))
         return [known[name] for name in dict.fromkeys(names)]
 
+    def _resolve_fresh(self, names: Sequence[str]) -> list[TokenSpec]:
+        """Like `resolve`, with each function's driver as bound right now (the
+        cached specs keep the drivers seen when they were first built)."""
+        return [
+            replace(spec, functions=tuple(self._fresh_functions(spec)))
+            for spec in self.resolve(names)
+        ]
+
     def token_for_address(self, address: str) -> str | None:
         """The token one of whose functions is `address` (for claims read from XML)."""
         for spec in self.tokens().values():
@@ -134,7 +142,7 @@ class Arbiter:
     ) -> ClaimPlan:
         """Decide a claim against the live host and ledger, changing nothing."""
         claimant = str(Claimant.parse(claimant))
-        tokens = self.resolve(token_names)
+        tokens = self._resolve_fresh(token_names)
         holders = self.host.holders(tokens)
         state = self.ledger.read()
         boot_id = self.host.boot_id()
@@ -162,7 +170,7 @@ class Arbiter:
         policy: Policy = NO_POLICY,
     ) -> ClaimPlan:
         claimant = str(Claimant.parse(claimant))
-        tokens = self.resolve(token_names)
+        tokens = self._resolve_fresh(token_names)
         by_name = {token.name: token for token in tokens}
         holders = self.host.holders(tokens)  # outside the lock: this may ask libvirt
         boot_id = self.host.boot_id()
@@ -314,11 +322,17 @@ class Arbiter:
         return self._finish_release(claimant, success, reason)
 
     def _finish_release(self, claimant: str, success: bool, reason: str) -> bool:
+        current = self.ledger.read().lease_of(claimant)
+        if current is None:
+            return False
+        holder_tokens = self._holder_tokens(current)  # outside the lock: this may ask libvirt
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is None:
                 return False
-            lease, txn.state = self._release_intent_unlocked(txn.state, lease, success, reason)
+            lease, txn.state = self._release_intent_unlocked(
+                txn.state, lease, success, reason, holder_tokens
+            )
         crashpoint("release.intent")
         if lease is None:
             return True
@@ -342,13 +356,34 @@ class Arbiter:
             log.error("%s: release incomplete; run `charly-arbiter restore %s`", claimant, claimant)
         return True
 
-    def _release_intent_unlocked(
-        self, state: LedgerState, lease: Lease, success: bool, reason: str
-    ) -> tuple[Lease | None, LedgerState]:
-        """Mark the lease releasing, or hand its stopped holders to a lease that stays.
+    def _holder_tokens(self, lease: Lease) -> dict[str, set[str]]:
+        """Which of the lease's tokens each holder it stopped uses (for hand-overs)."""
+        try:
+            holders = self.host.holders(self._known_specs(lease.tokens))
+        except ArbiterError as error:
+            log.warning("%s: cannot list the holders: %s", lease.claimant, error)
+            holders = []
+        found = {holder.ref: set(holder.tokens) for holder in holders}
+        for record in lease.stopped:
+            if record.shared_tokens:
+                found[record.holder] = set(record.shared_tokens)
+        return found
 
-        A shared lease that is not the last on its tokens sends nothing home; what
-        it stopped belongs to the token, so it moves to the oldest remaining lease.
+    def _release_intent_unlocked(
+        self,
+        state: LedgerState,
+        lease: Lease,
+        success: bool,
+        reason: str,
+        holder_tokens: dict[str, set[str]] | None = None,
+    ) -> tuple[Lease | None, LedgerState]:
+        """Mark the lease releasing, handing stopped holders to a lease that stays.
+
+        A shared lease that is not the last on a token sends that token nothing
+        home; a holder it stopped for such a token belongs to the token, so its
+        record moves to a remaining shared lease on it (never to one that is
+        itself releasing: that one may already have read its list).  Holders of
+        tokens nobody else holds are restored as for the last lease.
         """
         others = [
             other
@@ -356,12 +391,32 @@ class Arbiter:
             if other.claimant != lease.claimant
             and any(blocks_token(other, token) for token in lease.tokens)
         ]
-        if lease.mode is Mode.SHARED and others and lease.state is LeaseState.ACTIVE:
-            heir = others[0]
+        heirs = [
+            other.claimant
+            for other in others
+            if other.mode is Mode.SHARED and other.state is not LeaseState.RELEASING
+        ]
+        if lease.mode is Mode.SHARED and heirs and lease.state is not LeaseState.RELEASING:
+            held = {t for t in lease.tokens if any(blocks_token(o, t) for o in others)}
+            kept = []
             for record in lease.stopped:
-                heir = heir.with_stopped(record)
-            state = state.with_lease(heir).without_lease(lease.claimant)
-            return None, state
+                uses = (holder_tokens or {}).get(record.holder, set(lease.tokens)) & held
+                heir = next(
+                    (
+                        heir_lease
+                        for name in heirs
+                        if (heir_lease := state.lease_of(name)) is not None
+                        and uses & set(heir_lease.tokens)
+                    ),
+                    None,
+                )
+                if record.restored or heir is None:
+                    kept.append(record)
+                else:
+                    state = state.with_lease(heir.with_stopped(record))
+            if held == set(lease.tokens) and all(record.restored for record in kept):
+                return None, state.without_lease(lease.claimant)
+            lease = replace(lease, stopped=tuple(kept))
         note = reason if reason else ("" if success else "failed")
         switched = []
         for token in lease.tokens:

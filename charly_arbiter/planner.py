@@ -103,8 +103,14 @@ def decide_claim(
     *,
     transient: bool = False,
     policy: Policy = NO_POLICY,
+    boot_id: str | None = None,
 ) -> ClaimPlan:
-    """Decide a claim, or raise the `ClaimRefused` that says why it cannot be had."""
+    """Decide a claim, or raise the `ClaimRefused` that says why it cannot be had.
+
+    `boot_id` is the current boot's: a lease of the claimant's own from an earlier
+    boot is not "already held" (the reboot undid it on the host) but refused
+    until `restore` has removed it, loudly.
+    """
     names = tuple(token.name for token in tokens)
     for token in tokens:
         poison = ledger.poison_of(token.name)
@@ -112,6 +118,13 @@ def decide_claim(
             raise TokenPoisoned(token.name, claimant, poison.reason, poison.since)
 
     own = ledger.lease_of(claimant)
+    if own is not None and boot_id is not None and own.boot_id != boot_id:
+        raise ClaimRefused(
+            ", ".join(own.tokens),
+            claimant,
+            "it still has a lease from an earlier boot, which the reboot undid on the host",
+            hint=f"run `charly-arbiter restore {claimant}` (or `restore --stranded`) first",
+        )
     if own is not None:
         if own.state is LeaseState.ACTIVE and own.mode is mode and set(own.tokens) == set(names):
             return ClaimPlan(claimant, mode, names, transient, already_held=True)

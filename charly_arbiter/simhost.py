@@ -88,7 +88,8 @@ class SimHost:
 
     def snapshot(self) -> dict[str, Any]:
         with self._state() as state:
-            return json.loads(json.dumps(state))
+            copy: dict[str, Any] = json.loads(json.dumps(state))
+            return copy
 
     # -- Host interface ------------------------------------------------------------
 
@@ -224,8 +225,10 @@ class SimHost:
     def reboot(self) -> None:
         """A new boot: drivers and holders as described, every claimant gone."""
         with self._state() as state:
+            # Claimants the simulation was told about are gone with the old boot;
+            # claimants not yet seen (a VM claiming after the reboot) count as alive,
+            # as on a fresh host.  Old leases are stranded by their boot id.
             fresh = self._fresh_state()
-            fresh["unknown_alive"] = False
             fresh["cdi_generations"] = state["cdi_generations"]
             fresh["log"] = [*state["log"], "reboot"]
             state.clear()

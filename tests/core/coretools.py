@@ -1,0 +1,114 @@
+"""Helpers for the core tests: host descriptions with fault injection, and
+snapshots of everything a test compares (ledger bytes, simulated host state)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from charly_arbiter.ledger import LEDGER, Ledger
+from charly_arbiter.model import LedgerState
+
+# The same host as tests/conftest.py's DEFAULT_HOST, written so that a test can
+# switch on one fault by name.
+DEVICES = """
+[[devices]]
+address = "0000:0a:00.0"
+vendor = "10de"
+device = "2684"
+class = "030000"
+driver = "nvidia"
+iommu_group = 12
+{gpu0_faults}
+
+[[devices]]
+address = "0000:0a:00.1"
+vendor = "10de"
+device = "22ba"
+class = "040300"
+driver = "snd_hda_intel"
+iommu_group = 12
+
+[[devices]]
+address = "0000:0b:00.0"
+vendor = "10de"
+device = "2204"
+class = "030000"
+driver = "nvidia"
+iommu_group = 13
+{gpu1_faults}
+"""
+
+HOLDERS = """
+[[holders]]
+kind = "container"
+name = "llm"
+tokens = ["gpu0"]
+preemptible = true
+running = true
+{llm_faults}
+
+[[holders]]
+kind = "systemd"
+name = "ollama.service"
+tokens = ["gpu0"]
+preemptible = true
+running = true
+{ollama_faults}
+
+[[holders]]
+kind = "systemd"
+name = "display-manager.service"
+tokens = ["gpu1"]
+preemptible = {dm_preemptible}
+running = true
+"""
+
+
+def host_toml(
+    *,
+    gpu0: str = "",
+    gpu1: str = "",
+    llm: str = "",
+    ollama: str = "",
+    dm_preemptible: bool = False,
+) -> str:
+    """The default simulated host with fault lines (`fail_switch = true`, ...) added."""
+    return DEVICES.format(gpu0_faults=gpu0, gpu1_faults=gpu1) + HOLDERS.format(
+        llm_faults=llm,
+        ollama_faults=ollama,
+        dm_preemptible=str(dm_preemptible).lower(),
+    )
+
+
+# Every holder preemptible: lets a state machine claim both tokens exclusively.
+ALL_PREEMPTIBLE = host_toml(dm_preemptible=True)
+
+HOLDER_REFS = ("container:llm", "systemd:ollama.service", "systemd:display-manager.service")
+HOME = {"0000:0a:00.0": "nvidia", "0000:0a:00.1": "snd_hda_intel", "0000:0b:00.0": "nvidia"}
+
+
+def ledger_bytes(state_dir: Path) -> bytes | None:
+    path = state_dir / LEDGER
+    return path.read_bytes() if path.exists() else None
+
+
+def read_ledger(state_dir: Path) -> LedgerState:
+    """The ledger as any command would read it: parses and verifies, or raises."""
+    return Ledger(state_dir).read()
+
+
+def host_state(sim: Any) -> dict[str, Any]:
+    """The simulated host's drivers and running holders (the log is left out)."""
+    snapshot = sim.host().snapshot()
+    return {"drivers": snapshot["drivers"], "running": snapshot["running"]}
+
+
+def assert_converged(sim: Any) -> None:
+    """Nothing leased, every function on its home driver, every holder running."""
+    state = read_ledger(sim.state_dir)
+    assert state.leases == (), state.leases
+    snapshot = sim.host().snapshot()
+    assert snapshot["drivers"] == HOME
+    for ref in HOLDER_REFS:
+        assert snapshot["running"][ref], f"{ref} is not running: {snapshot['running']}"
