@@ -1,14 +1,24 @@
-"""`status`: every lease, every token's state, and the stranded claimants."""
+"""`status`: every lease, every token's state, and the stranded claimants.
+
+The human rendering is a small table per token (its functions' drivers, then
+its leases with their age and what they stopped), read at a glance; colour
+only when stdout is a terminal.  `--json` is the stable interface for scripts.
+"""
 
 from __future__ import annotations
 
 import json
+import sys
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from typing import Any
 
 import click
 
-from charly_arbiter.arbiter import Status
+from charly_arbiter.arbiter import Status, TokenStatus
 from charly_arbiter.cli.app import App
+from charly_arbiter.explain import age
+from charly_arbiter.model import Lease
 
 
 @click.command()
@@ -20,7 +30,7 @@ def status(app: App, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(status_document(result), indent=2, sort_keys=True))
     else:
-        click.echo(render(result))
+        click.echo(render(result, colour=sys.stdout.isatty()))
     if result.corrupt:
         raise SystemExit(1)
 
@@ -57,29 +67,101 @@ def status_document(result: Status) -> dict[str, Any]:
     }
 
 
-def render(result: Status) -> str:
-    lines = []
+Style = Callable[[str, str], str]
+
+_COLOURS: dict[str, dict[str, Any]] = {
+    "exclusive": {"fg": "yellow", "bold": True},
+    "shared": {"fg": "cyan"},
+    "idle": {"fg": "green"},
+    "bad": {"fg": "red", "bold": True},
+    "head": {"bold": True},
+}
+
+
+def render(result: Status, colour: bool = False, now: datetime | None = None) -> str:
+    """The table; `now` fixes the lease ages (golden tests), `colour` adds ANSI styles."""
+    style: Style = _styled if colour else _plain
+    moment = now or datetime.now(UTC)
+    lines: list[str] = []
     if result.corrupt:
-        lines += [f"LEDGER CORRUPT: {result.corrupt}", ""]
-    lines.append(f"{'TOKEN':<14} {'MODE':<10} {'DRIVERS':<44} CLAIMANTS")
+        lines += [style(f"LEDGER CORRUPT: {result.corrupt}", "bad"), ""]
     for token in result.tokens:
-        drivers = " ".join(f"{addr[-7:]}={driver or '-'}" for addr, driver in token.drivers)
-        claimants = ", ".join(token.claimants) or "-"
-        lines.append(f"{token.name:<14} {token.mode:<10} {drivers:<44} {claimants}")
-        if token.poisoned:
-            lines.append(f"{'':<14} POISONED since {token.since}: {token.reason}")
-    lines.append("")
-    if not result.leases:
-        lines.append("no leases")
-    for lease in result.leases:
-        stopped = [r.holder for r in lease.stopped if not r.restored]
-        mark = " STRANDED" if lease.claimant in result.stranded else ""
-        lines.append(
-            f"{lease.claimant}: {lease.mode} {', '.join(lease.tokens)} "
-            f"({lease.state}{', transient' if lease.transient else ''}) since {lease.created}"
-            f"{mark}" + (f"; stopped {', '.join(stopped)}" if stopped else "")
-        )
+        lines += _token_table(token, result, style, moment)
+        lines.append("")
+    orphans = [
+        lease
+        for lease in result.leases
+        if not any(lease.claimant in token.claimants for token in result.tokens)
+    ]
+    for lease in orphans:
+        lines.append(f"lease of {lease.claimant} on {', '.join(lease.tokens)} ({lease.state})")
     if result.stranded:
-        lines += ["", "stranded: " + ", ".join(result.stranded)]
+        lines.append(style("stranded: " + ", ".join(result.stranded), "bad"))
         lines.append("hint: run `charly-arbiter restore --stranded`")
-    return "\n".join(lines)
+    elif not result.leases:
+        lines.append("no leases")
+    return "\n".join(lines).rstrip("\n")
+
+
+def _token_table(token: TokenStatus, result: Status, style: Style, now: datetime) -> list[str]:
+    lines = [f"{style(token.name, 'head')} ({token.address})  {style(token.mode, token.mode)}"]
+    if token.poisoned:
+        lines.append("  " + style(f"POISONED since {token.since}: {token.reason}", "bad"))
+        lines.append(f"  hint: run `charly-arbiter poison clear {token.name}` once it is checked")
+    rows = [("FUNCTION", "DRIVER")]
+    rows += [(address, driver or "-") for address, driver in token.drivers]
+    lines += _table(rows, style)
+    leases = [lease for lease in result.leases if lease.claimant in token.claimants]
+    if leases:
+        holder_rows = [("HOLDER", "MODE", "STATE", "AGE", "STOPPED FOR IT")]
+        for lease in leases:
+            state = str(lease.state) + (", transient" if lease.transient else "")
+            if lease.claimant in result.stranded:
+                state += ", STRANDED"
+            stopped = [record.holder for record in lease.stopped if not record.restored]
+            holder_rows.append(
+                (
+                    lease.claimant,
+                    str(lease.mode),
+                    state,
+                    _age(lease, now),
+                    ", ".join(stopped) or "-",
+                )
+            )
+        lines += _table(holder_rows, style, bad_column=2)
+    return lines
+
+
+def _table(
+    rows: Sequence[tuple[str, ...]], style: Style, bad_column: int | None = None
+) -> list[str]:
+    """Columns padded on the plain text, styled afterwards (ANSI codes have no width)."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for number, row in enumerate(rows):
+        cells = []
+        for column, cell in enumerate(row):
+            padded = cell if column == len(row) - 1 else cell.ljust(widths[column])
+            if number == 0:
+                padded = style(padded, "head")
+            elif column == bad_column and "STRANDED" in cell:
+                padded = style(padded, "bad")
+            cells.append(padded)
+        lines.append("  " + "  ".join(cells))
+    return lines
+
+
+def _age(lease: Lease, now: datetime) -> str:
+    try:
+        created = datetime.fromisoformat(lease.created)
+    except ValueError:
+        return "?"
+    return age(now - created)
+
+
+def _styled(text: str, role: str) -> str:
+    return click.style(text, **_COLOURS.get(role, {}))
+
+
+def _plain(text: str, role: str) -> str:
+    return text

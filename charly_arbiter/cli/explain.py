@@ -1,0 +1,40 @@
+"""`explain TOKEN|CLAIMANT`: what holds it, what was stopped, what went wrong, the fix."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import click
+
+from charly_arbiter import history
+from charly_arbiter.cli.app import App
+from charly_arbiter.explain import Facts, explain_claimant, explain_token
+from charly_arbiter.model import Claimant
+
+
+@click.command()
+@click.argument("subject", metavar="TOKEN|CLAIMANT")
+@click.pass_obj
+def explain(app: App, subject: str) -> None:
+    """Explain a token's or a claimant's state in sentences, with the command that fixes it."""
+    arbiter = app.arbiter()
+    is_claimant = ":" in subject
+    if is_claimant:
+        subject = str(Claimant.parse(subject))
+    else:
+        arbiter.resolve([subject])  # an unknown token is an error that lists the known ones
+    status = arbiter.status()
+    if status.corrupt:
+        click.echo(f"The ledger is corrupt: {status.corrupt}.")
+    reading = history.HistoryLog(app.config().state_dir).read()
+    for note in reading.notes:
+        click.echo(f"note: {note}", err=True)
+    facts = Facts(
+        status=status,
+        boot_id=app.host().boot_id(),
+        history=reading.records,
+        interrupted=frozenset(history.interrupted(reading.records)),
+        now=datetime.now(UTC),
+    )
+    sentences = explain_claimant(subject, facts) if is_claimant else explain_token(subject, facts)
+    click.echo("\n".join(sentences))

@@ -1,0 +1,51 @@
+"""`history`: what happened to the GPUs, from the event log in the state directory."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from charly_arbiter.cli.app import App
+from charly_arbiter.events import describe
+from charly_arbiter.history import HistoryLog, Record, interrupted, parse_since, select
+
+
+@click.command()
+@click.option("--token", metavar="TOKEN", help="Only what concerns this token.")
+@click.option("--claimant", metavar="KIND:NAME", help="Only what this claimant did or suffered.")
+@click.option("--since", metavar="WHEN", help="Only newer events: 30m, 2h, 1d, or an ISO time.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON array of events, for scripts.")
+@click.pass_obj
+def history(
+    app: App, token: str | None, claimant: str | None, since: str | None, as_json: bool
+) -> None:
+    """Show claims, refusals, preemptions, switches, restores and poisonings, oldest first."""
+    reading = HistoryLog(app.config().state_dir).read()
+    for note in reading.notes:
+        click.echo(f"note: {note}", err=True)
+    killed = {id(reading.records[i]) for i in interrupted(reading.records)}
+    records = select(
+        reading.records,
+        token=token,
+        claimant=claimant,
+        since=parse_since(since) if since else None,
+    )
+    if as_json:
+        documents = [
+            {**record.document(), "interrupted": id(record) in killed} for record in records
+        ]
+        click.echo(json.dumps(documents, indent=2, ensure_ascii=False))
+        return
+    if not records:
+        click.echo("no events")
+    for record in records:
+        click.echo(render(record, interrupted=id(record) in killed))
+
+
+def render(record: Record, interrupted: bool = False) -> str:
+    when = f"{record.time.astimezone():%Y-%m-%d %H:%M:%S}"
+    line = f"{when}  {record.kind:<14} {describe(record.kind, record.fields)}"
+    if interrupted:
+        line += f"  [INTERRUPTED: process {record.pid} died during this step]"
+    return line

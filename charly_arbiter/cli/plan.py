@@ -1,0 +1,104 @@
+"""`plan`: what an `acquire` would do right now, without doing any of it.
+
+It asks `Arbiter.plan`, which runs the same `decide_claim` as `acquire` over
+the live host and ledger, so a plan cannot disagree with the claim it
+previews.  A refusal exits 3, like `acquire`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from charly_arbiter.cli.app import App
+from charly_arbiter.errors import ClaimRefused
+from charly_arbiter.host import NO_DRIVER
+from charly_arbiter.model import Mode
+from charly_arbiter.planner import ClaimPlan
+
+
+@click.command()
+@click.option("--exclusive", "mode", flag_value=Mode.EXCLUSIVE.value, help="Sole use (vfio-pci).")
+@click.option("--shared", "mode", flag_value=Mode.SHARED.value, help="Refcounted, home driver.")
+@click.option("--transient", is_flag=True, help="Plan a transient claim.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
+@click.argument("claimant")
+@click.argument("tokens", nargs=-1, required=True)
+@click.pass_obj
+def plan(
+    app: App, mode: str | None, transient: bool, as_json: bool, claimant: str, tokens: tuple[str]
+) -> None:
+    """Show what claiming TOKENS for CLAIMANT would stop and switch; change nothing."""
+    if mode is None:
+        raise click.UsageError("say --exclusive or --shared")
+    try:
+        result = app.arbiter().plan(claimant, Mode(mode), list(tokens), transient=transient)
+    except ClaimRefused as refusal:
+        if as_json:
+            document = {"claimant": claimant, "refused": refusal.why, "hint": refusal.hint}
+            click.echo(json.dumps(document, indent=2, sort_keys=True))
+        else:
+            click.echo(f"{claimant} would be refused: {refusal}")
+            if refusal.hint:
+                click.echo(f"hint: {refusal.hint}")
+        sys.exit(refusal.exit_code)
+    if as_json:
+        click.echo(json.dumps(plan_document(result), indent=2, sort_keys=True))
+    else:
+        click.echo(render(result))
+
+
+def plan_document(result: ClaimPlan) -> dict[str, Any]:
+    return {
+        "claimant": result.claimant,
+        "mode": str(result.mode),
+        "tokens": list(result.tokens),
+        "already_held": result.already_held,
+        "stops": [
+            {"holder": s.holder, "how": s.how, "shared_tokens": list(s.shared_tokens)}
+            for s in result.stops
+        ],
+        "switches": [
+            {"token": s.token, "address": s.address, "from": s.from_driver, "to": s.to_driver}
+            for s in result.switches
+        ],
+        "takes_over_leases_of": list(result.preempted_leases),
+        "regenerates_cdi_for": list(result.cdi_tokens),
+    }
+
+
+def render(result: ClaimPlan) -> str:
+    tokens = ", ".join(result.tokens)
+    if result.already_held:
+        return f"{result.claimant} already holds {tokens} ({result.mode}): nothing to do"
+    lines = [f"{result.claimant} can claim {tokens} ({result.mode}{_transient(result)})."]
+    if result.stops:
+        lines.append("It would stop, in this order:")
+        for step in result.stops:
+            shared = f", whose shared lease on {', '.join(step.shared_tokens)} it takes over"
+            lines.append(f"  {step.holder} ({step.how}{shared if step.shared_tokens else ''})")
+    else:
+        lines.append("It would stop nothing.")
+    if result.switches:
+        lines.append("It would switch:")
+        width = max(len(s.from_driver or "(no driver)") for s in result.switches)
+        for switch in result.switches:
+            before = switch.from_driver or "(no driver)"
+            after = switch.to_driver if switch.to_driver != NO_DRIVER else "(the kernel's choice)"
+            lines.append(f"  {switch.token} {switch.address}  {before:<{width}} -> {after}")
+    else:
+        lines.append("It would switch no driver.")
+    if result.stops:
+        names = ", ".join(step.holder for step in result.stops)
+        lines.append(f"When {result.claimant} releases {tokens}, {names} would be started again.")
+    if result.cdi_tokens:
+        lines.append(f"The CDI spec would be regenerated for {', '.join(result.cdi_tokens)}.")
+    lines.append("Nothing was changed (this is a plan).")
+    return "\n".join(lines)
+
+
+def _transient(result: ClaimPlan) -> str:
+    return ", transient" if result.transient else ""
