@@ -1,0 +1,110 @@
+# Build, install and package charly-arbiter.  One install layout for everyone:
+# `make install` (from source), the Debian package (packaging/debian/rules
+# calls `make install-data`) and the RPM (%install calls it too).
+#
+#   make man | completions        generate into $(BUILDDIR)
+#   make install DESTDIR=... PREFIX=...
+#   make deb                      -> $(DISTDIR)/charly-arbiter_VERSION_all.deb
+#   make lintian                  lintian on that .deb (fails on warnings)
+#   make rpm-srpm                 -> $(DISTDIR)/charly-arbiter-VERSION-1.src.rpm
+#
+# Debian's python3 on purpose: the packages run on it (not a pyenv or venv one).
+PYTHON ?= /usr/bin/python3
+PREFIX ?= /usr/local
+DESTDIR ?=
+SYSCONFDIR ?= /etc
+BINDIR ?= $(PREFIX)/bin
+LIBEXECDIR ?= $(PREFIX)/libexec
+MANDIR ?= $(PREFIX)/share/man
+UNITDIR ?= $(PREFIX)/lib/systemd/system
+TMPFILESDIR ?= $(PREFIX)/lib/tmpfiles.d
+BASHCOMPDIR ?= $(PREFIX)/share/bash-completion/completions
+ZSHCOMPDIR ?= $(PREFIX)/share/zsh/site-functions
+FISHCOMPDIR ?= $(PREFIX)/share/fish/vendor_completions.d
+# Where the libvirt hook goes.  The Debian package installs it under
+# LIBEXECDIR and its postinst copies it here, so `apt remove` can take it away
+# (a conffile would stay behind).
+HOOK ?= $(SYSCONFDIR)/libvirt/hooks/qemu.d/charly-arbiter
+BUILDDIR ?= build
+DISTDIR ?= dist
+
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+NAME := charly-arbiter
+# A fixed PATH for the package builds: a pyenv or venv python3 earlier on PATH
+# must not end up in a Debian package.
+CLEAN_PATH := /usr/sbin:/usr/bin:/sbin:/bin
+UNITS := $(wildcard etc/systemd/*.service etc/systemd/*.timer)
+
+.PHONY: all man completions install install-python install-data deb lintian rpm-srpm \
+	rpm-spec-check sources clean
+
+all: man completions
+
+man:
+	rm -rf $(BUILDDIR)/man
+	PYTHONPATH=$(CURDIR) $(PYTHON) packaging/gen-manpages.py $(BUILDDIR)/man >/dev/null
+
+completions:
+	rm -rf $(BUILDDIR)/completions
+	PYTHONPATH=$(CURDIR) $(PYTHON) packaging/gen-completions.py $(BUILDDIR)/completions >/dev/null
+
+install: install-python install-data
+
+install-python:
+	rm -rf $(BUILDDIR)/wheel
+	$(PYTHON) -m build --wheel --no-isolation --outdir $(BUILDDIR)/wheel .
+	$(PYTHON) -m installer --destdir="$(DESTDIR)" --prefix="$(PREFIX)" \
+		$(BUILDDIR)/wheel/charly_arbiter-$(VERSION)-py3-none-any.whl
+
+install-data: man completions
+	install -d -m 0755 $(DESTDIR)$(dir $(HOOK))
+	install -m 0755 hooks/qemu $(DESTDIR)$(HOOK)
+	install -d -m 0755 $(DESTDIR)$(SYSCONFDIR)/charly-arbiter
+	@# never overwrite an administrator's configuration on a from-source reinstall
+	test -e $(DESTDIR)$(SYSCONFDIR)/charly-arbiter/arbiter.toml || \
+		install -m 0644 etc/charly-arbiter/arbiter.toml $(DESTDIR)$(SYSCONFDIR)/charly-arbiter/
+	install -d -m 0755 $(DESTDIR)$(UNITDIR) $(DESTDIR)$(TMPFILESDIR)
+	for unit in $(UNITS); do \
+		sed 's|/usr/bin/charly-arbiter|$(BINDIR)/charly-arbiter|g' $$unit \
+			> $(DESTDIR)$(UNITDIR)/$$(basename $$unit) && \
+		chmod 0644 $(DESTDIR)$(UNITDIR)/$$(basename $$unit) || exit 1; \
+	done
+	install -m 0644 etc/tmpfiles.d/charly-arbiter.conf $(DESTDIR)$(TMPFILESDIR)/charly-arbiter.conf
+	install -d -m 0755 $(DESTDIR)$(MANDIR)/man8
+	install -m 0644 $(BUILDDIR)/man/*.8 $(DESTDIR)$(MANDIR)/man8/
+	install -d -m 0755 $(DESTDIR)$(BASHCOMPDIR) $(DESTDIR)$(ZSHCOMPDIR) $(DESTDIR)$(FISHCOMPDIR)
+	install -m 0644 $(BUILDDIR)/completions/$(NAME).bash $(DESTDIR)$(BASHCOMPDIR)/$(NAME)
+	install -m 0644 $(BUILDDIR)/completions/_$(NAME) $(DESTDIR)$(ZSHCOMPDIR)/_$(NAME)
+	install -m 0644 $(BUILDDIR)/completions/$(NAME).fish $(DESTDIR)$(FISHCOMPDIR)/$(NAME).fish
+
+# The source tree as git sees it (tracked and new, not ignored files), as a tarball.
+sources:
+	mkdir -p $(BUILDDIR)
+	git ls-files -z --cached --others --exclude-standard \
+		| tar --null --files-from=- --ignore-failed-read --transform 's,^,$(NAME)-$(VERSION)/,' \
+			--sort=name --owner=0 --group=0 --numeric-owner -czf $(BUILDDIR)/$(NAME)-$(VERSION).tar.gz
+
+deb: sources
+	@test "$$(dpkg-parsechangelog -l packaging/debian/changelog -S Version)" = "$(VERSION)" \
+		|| { echo "packaging/debian/changelog is not at version $(VERSION)" >&2; exit 1; }
+	rm -rf $(BUILDDIR)/deb && mkdir -p $(BUILDDIR)/deb $(DISTDIR)
+	tar -xzf $(BUILDDIR)/$(NAME)-$(VERSION).tar.gz -C $(BUILDDIR)/deb
+	cp -a packaging/debian $(BUILDDIR)/deb/$(NAME)-$(VERSION)/debian
+	cd $(BUILDDIR)/deb/$(NAME)-$(VERSION) && env PATH=$(CLEAN_PATH) dpkg-buildpackage -b -us -uc
+	cp $(BUILDDIR)/deb/$(NAME)_$(VERSION)_all.deb $(DISTDIR)/
+
+lintian:
+	lintian --fail-on error,warning --info $(DISTDIR)/$(NAME)_$(VERSION)_all.deb
+
+rpm-srpm: sources
+	rm -rf $(BUILDDIR)/rpm && mkdir -p $(BUILDDIR)/rpm/SOURCES $(DISTDIR)
+	cp $(BUILDDIR)/$(NAME)-$(VERSION).tar.gz $(BUILDDIR)/rpm/SOURCES/
+	rpmbuild -bs --define "_topdir $(CURDIR)/$(BUILDDIR)/rpm" packaging/rpm/$(NAME).spec
+	cp $(BUILDDIR)/rpm/SRPMS/$(NAME)-$(VERSION)-*.src.rpm $(DISTDIR)/
+
+rpm-spec-check:
+	rpmspec -P packaging/rpm/$(NAME).spec >/dev/null
+
+clean:
+	rm -rf $(BUILDDIR)/man $(BUILDDIR)/completions $(BUILDDIR)/wheel $(BUILDDIR)/deb \
+		$(BUILDDIR)/rpm $(BUILDDIR)/$(NAME)-*.tar.gz $(DISTDIR)
