@@ -1,0 +1,36 @@
+"""`detect`: the PCI functions, GPUs and VFIO readiness of this machine."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from charly_arbiter.cli.app import App
+from charly_arbiter.errors import HostError
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
+@click.option(
+    "--vm-memory",
+    type=click.IntRange(min=1),
+    default=8192,
+    show_default=True,
+    help="MiB of guest memory to compare RLIMIT_MEMLOCK against.",
+)
+@click.pass_obj
+def detect(app: App, as_json: bool, vm_memory: int) -> None:
+    """List PCI functions, GPUs (NVML, KFD or sysfs) and whether VFIO passthrough can work."""
+    from charly_arbiter.detect import detect as run_detect
+    from charly_arbiter.detect import document, render
+    from charly_arbiter.localhost import LocalHost
+
+    host = app.host()
+    if not isinstance(host, LocalHost):
+        raise HostError(f"detect looks at this machine, not at {host.description}")
+    result = run_detect(host, vm_memory * 2**20)
+    if as_json:
+        click.echo(json.dumps(document(result), indent=2, sort_keys=True))
+    else:
+        click.echo(render(result))
