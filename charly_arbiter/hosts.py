@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from charly_arbiter.config import Config
 from charly_arbiter.host import Host
 
 
 def open_host(config: Config) -> Host:
     if config.host.startswith("sim:"):
-        from charly_arbiter.simhost import SimHost
+        # A simulated host, with real holders of the kinds its host.toml lists.
+        from charly_arbiter.hybridhost import open_sim
 
-        return SimHost(Path(config.host.removeprefix("sim:")), config.timeouts.driver_switch)
+        return open_sim(config)
     from charly_arbiter.localhost import LocalHost
 
     return LocalHost(config)
