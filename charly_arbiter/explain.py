@@ -41,9 +41,7 @@ def explain_token(name: str, facts: Facts) -> list[str]:
             f"{label} is held exclusively by {lease.claimant} since {_when(lease.created, facts)}."
         ]
     else:
-        who = ", ".join(
-            f"{lease.claimant} (since {_when(lease.created, facts)})" for lease in holding
-        )
+        who = _and([f"{lease.claimant} since {_when(lease.created, facts)}" for lease in holding])
         sentences = [f"{label} is shared by {who}."]
     sentences.append(_drivers(token))
     for lease in holding:
@@ -76,10 +74,14 @@ def explain_claimant(claimant: str, facts: Facts) -> list[str]:
         for record in other.stopped:
             if record.holder == claimant and not record.restored:
                 done = "was stopped" if record.state is StepState.DONE else "is to be stopped"
+                when = (
+                    f"{other.claimant} releases {'it' if len(other.tokens) == 1 else 'them'}"
+                    if other.mode is Mode.EXCLUSIVE
+                    else f"the last shared lease on {', '.join(other.tokens)} ends"
+                )
                 sentences.append(
                     f"{claimant} {done} to make room for {other.claimant} on "
-                    f"{', '.join(other.tokens)}; it will be started again when "
-                    f"{other.claimant} releases {'it' if len(other.tokens) == 1 else 'them'}."
+                    f"{', '.join(other.tokens)}; it will be started again when {when}."
                 )
     about = [
         (i, r)
@@ -110,7 +112,11 @@ def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list
         sentences.append(
             f"For {lease.claimant}, {_and(stopped)} {'was' if len(stopped) == 1 else 'were'} "
             f"stopped; {'it' if len(stopped) == 1 else 'they'} will be started again when "
-            f"{lease.claimant} releases its lease."
+            + (
+                f"{lease.claimant} releases its lease."
+                if lease.mode is Mode.EXCLUSIVE
+                else f"the last shared lease on {', '.join(lease.tokens)} ends."
+            )
         )
     if planned and lease.state is LeaseState.ACQUIRING:
         sentences.append(f"Its claim had still to stop {_and(planned)}.")
