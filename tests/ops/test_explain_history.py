@@ -134,3 +134,17 @@ def test_history_skips_a_torn_line_with_a_note(sim):
     assert result.returncode == 0
     assert "container:llm claims gpu0 (shared)" in result.stdout
     assert "not a complete record (torn?); skipped" in result.stderr
+
+
+def test_explain_a_shared_token_and_who_brings_its_holders_back(sim):
+    sim.cli("acquire", "--shared", "container:a", "gpu0", check=True)
+    sim.cli("acquire", "--shared", "container:b", "gpu0", check=True)
+    lines = normalise(sim.cli("explain", "gpu0", check=True).stdout).splitlines()
+    assert lines[0] == (
+        "gpu0 (0000:0a:00.0) is shared by container:a since <TIME> (<AGE> ago) "
+        "and container:b since <TIME> (<AGE> ago)."
+    )
+    assert lines[2] == (
+        "For container:a, container:llm and systemd:ollama.service were stopped; "
+        "they will be started again when the last shared lease on gpu0 ends."
+    )
