@@ -387,10 +387,15 @@ def libvirt_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Libvir
                 config_path.parent.mkdir(parents=True, exist_ok=True)
             else:
                 hook = (REPO / "hooks" / "qemu").read_text()
-                HOOK.write_text(hook.replace("/usr/bin/charly-arbiter", str(work / "charly-arbiter")))
+                HOOK.write_text(
+                    hook.replace("/usr/bin/charly-arbiter", str(work / "charly-arbiter"))
+                )
                 HOOK.chmod(0o755)
             env.clean()
-            log(f"starting virtlogd and libvirtd with the hook {HOOK} ({'installed' if INSTALLED else 'checkout'} CLI)")
+            log(
+                f"starting virtlogd and libvirtd with the hook {HOOK} "
+                f"({'installed' if INSTALLED else 'checkout'} CLI)"
+            )
             env.start_daemons()
             try:
                 yield env

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.libvirt.conftest import PREFIX, Libvirt, claim
+from tests.libvirt.conftest import Libvirt, claim
 
 pytestmark = [pytest.mark.slow, pytest.mark.libvirt]
 
@@ -59,3 +59,234 @@ def test_exclusive_claimant_preempts_shared_holder_and_brings_it_back(lv: Libvir
         "0000:0a:00.1": "snd_hda_intel",
     }
     assert status["stranded"] == []
+
+
+def test_second_exclusive_claimant_is_refused_and_its_release_touches_nothing(
+    lv: Libvirt,
+) -> None:
+    """Scenarios 2 and 8: libvirt runs `stopped`/`release` for the refused domain too."""
+    first = lv.define("first", EXCLUSIVE)
+    second = lv.define("second", EXCLUSIVE)
+    lv.virsh("start", first)
+    before = lv.ledger_text()
+
+    refused = lv.virsh("start", second, check=False)
+    assert refused.returncode != 0
+    assert "charly-arbiter:" in refused.stderr
+    assert f"libvirt:{second} cannot claim gpu0" in refused.stderr
+    assert f"held exclusively by libvirt:{first}" in refused.stderr
+    assert lv.running() == {first}
+    time.sleep(1)  # a detached release would have had time to act by now
+    assert lv.ledger_text() == before
+    lease = lv.leases()[f"libvirt:{first}"]
+    assert (lease["mode"], lease["state"], lease["tokens"]) == ("exclusive", "active", ["gpu0"])
+    assert lv.status()["tokens"]["gpu0"]["claimants"] == [f"libvirt:{first}"]
+
+
+def test_shared_claims_are_refcounted_and_the_token_goes_home_once(lv: Libvirt) -> None:
+    """Scenario 3: gpu1 starts on vfio-pci; the first shared claim sends it home, once."""
+    shared = claim("shared", ("gpu1",))
+    one, two = lv.define("one", shared), lv.define("two", shared)
+
+    def switches() -> list[str]:
+        return [line for line in lv.sim_state()["log"] if line.startswith("switch 0000:0b")]
+
+    lv.virsh("start", one)
+    lv.virsh("start", two)
+    assert lv.running() == {one, two}
+    assert switches() == ["switch 0000:0b:00.0 nvidia"]
+    status = lv.status()
+    assert status["tokens"]["gpu1"]["mode"] == "shared"
+    assert sorted(status["tokens"]["gpu1"]["claimants"]) == [f"libvirt:{one}", f"libvirt:{two}"]
+
+    lv.virsh("destroy", one)
+    assert list(lv.leases()) == [f"libvirt:{two}"]
+    assert lv.status()["tokens"]["gpu1"]["driver"] == "nvidia"
+    lv.virsh("destroy", two)
+    lv.wait_for("the last lease to go", lambda: lv.leases() == {})
+    assert switches() == ["switch 0000:0b:00.0 nvidia"]
+    assert lv.status()["tokens"]["gpu1"] == {
+        **lv.status()["tokens"]["gpu1"],
+        "mode": "idle",
+        "claimants": [],
+    }
+
+
+def test_killed_qemu_is_released_by_libvirt_stop_path(lv: Libvirt) -> None:
+    """Scenario 4a: SIGKILL to the claimant's QEMU; libvirt runs release, the holder returns."""
+    holder = lv.define("holder", SHARED_HOLDER)
+    vm = lv.define("vm", EXCLUSIVE)
+    lv.virsh("start", holder)
+    lv.virsh("start", vm)
+    os.kill(lv.qemu_pid(vm), signal.SIGKILL)
+    lv.wait_for("the holder to run again", lambda: lv.running() == {holder})
+    lv.wait_for("only the holder's lease", lambda: list(lv.leases()) == [f"libvirt:{holder}"])
+    assert lv.status()["stranded"] == []
+
+
+def test_qemu_dying_while_libvirtd_is_down_strands_the_lease_until_restore(
+    lv: Libvirt,
+) -> None:
+    """Scenario 4b: no libvirtd to run the hook; `status` says stranded, `restore` converges."""
+    holder = lv.define("holder", SHARED_HOLDER)
+    vm = lv.define("vm", EXCLUSIVE)
+    lv.virsh("start", holder)
+    lv.virsh("start", vm)
+    pid = lv.qemu_pid(vm)
+    lv.stop_libvirtd()
+    os.kill(pid, signal.SIGKILL)
+    lv.wait_for("QEMU to die", lambda: not os.path.exists(f"/proc/{pid}/cmdline"))
+    time.sleep(3.5)  # past claim_grace
+    status = lv.status()
+    assert status["stranded"] == [f"libvirt:{vm}"]
+    assert "STRANDED" in lv.cli("status").stdout
+
+    lv.start_daemons()
+    done = lv.cli("restore", "--stranded")
+    assert done.returncode == 0, done.stderr
+    lv.wait_for("the holder to run again", lambda: lv.running() == {holder})
+    lv.wait_for("only the holder's lease", lambda: list(lv.leases()) == [f"libvirt:{holder}"])
+    status = lv.status()
+    assert status["stranded"] == []
+    assert status["tokens"]["gpu0"]["driver"] == "nvidia"
+
+
+def test_libvirtd_restart_keeps_a_running_claimant_and_its_lease(lv: Libvirt) -> None:
+    """Scenario 5: the reconnect hook exits 0, so libvirt keeps the VM."""
+    vm = lv.define("vm", EXCLUSIVE)
+    lv.virsh("start", vm)
+    pid = lv.qemu_pid(vm)
+    before = lv.ledger_text()
+    lv.stop_libvirtd()
+    lv.start_daemons()
+    assert lv.running() == {vm}
+    assert lv.qemu_pid(vm) == pid
+    assert lv.ledger_text() == before
+    assert lv.leases()[f"libvirt:{vm}"]["state"] == "active"
+    assert lv.status()["stranded"] == []
+
+
+def test_parallel_starts_of_two_exclusive_claimants_one_wins(lv: Libvirt) -> None:
+    """Scenario 6: both `virsh start` at once; exactly one runs, no deadlock."""
+    names = [lv.define("race-a", EXCLUSIVE), lv.define("race-b", EXCLUSIVE)]
+    results: dict[str, subprocess.CompletedProcess[str]] = {}
+    barrier = threading.Barrier(len(names))
+
+    def start(name: str) -> None:
+        barrier.wait()
+        results[name] = lv.virsh("start", name, check=False, timeout=120)
+
+    started = time.monotonic()
+    threads = [threading.Thread(target=start, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    elapsed = time.monotonic() - started
+    winners = [name for name in names if results[name].returncode == 0]
+    assert len(winners) == 1, {n: r.stderr for n, r in results.items()}
+    loser = next(name for name in names if name not in winners)
+    assert "cannot claim gpu0" in results[loser].stderr
+    assert lv.running() == set(winners)
+    assert list(lv.leases()) == [f"libvirt:{winners[0]}"]
+    assert elapsed < 60
+
+
+def test_refuse_policy_names_the_vm_and_the_command(lv: Libvirt) -> None:
+    """`libvirt_preemption = "refuse"`: the holder keeps running; the message says what to do."""
+    lv.set_preemption("refuse")
+    holder = lv.define("holder", SHARED_HOLDER)
+    vm = lv.define("vm", EXCLUSIVE)
+    lv.virsh("start", holder)
+    refused = lv.virsh("start", vm, check=False)
+    assert refused.returncode != 0
+    assert f"libvirt:{holder}" in refused.stderr
+    assert f"charly-arbiter acquire --exclusive libvirt:{vm} gpu0" in refused.stderr
+    assert lv.running() == {holder}
+    assert list(lv.leases()) == [f"libvirt:{holder}"]
+    # The way out the message names: acquire outside any hook, then start.
+    lv.cli("acquire", "--exclusive", f"libvirt:{vm}", "gpu0", check=True)
+    assert lv.running() == set()
+    lv.virsh("start", vm)
+    assert lv.running() == {vm}
+    lv.virsh("destroy", vm)
+    lv.wait_for("the holder to run again", lambda: lv.running() == {holder})
+
+
+@pytest.fixture(scope="module")
+def holder_running(libvirt_session: Libvirt) -> tuple[Libvirt, str]:
+    """One shared holder VM, running for all the bad-input cases."""
+    libvirt_session.clean()
+    holder = libvirt_session.define("holder", SHARED_HOLDER)
+    libvirt_session.virsh("start", holder)
+    return libvirt_session, holder
+
+
+HOSTDEV_XML = b"""<domain type='qemu'><name>%s</name><devices><hostdev mode='subsystem'
+ type='pci' managed='yes'><source><address domain='0x0000' bus='0x0a' slot='0x00'
+ function='0x0'/></source></hostdev></devices></domain>"""
+LAUGHS = b"""<?xml version="1.0"?><!DOCTYPE d [<!ENTITY a "aaaaaaaaaa">
+<!ENTITY b "&a;&a;&a;&a;&a;&a;&a;&a;&a;&a;">]><domain><name>x</name><devices>
+<hostdev type='pci'/></devices><description>&b;</description></domain>"""
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "code", "message"),
+    [
+        (["qemu", "vm", "frobnicate", "begin", "-"], HOSTDEV_XML % b"vm", 0, ""),
+        (["qemu", "vm", "start", "begin", "-"], HOSTDEV_XML % b"vm", 0, ""),
+        (["lxc", "vm", "prepare", "begin", "-"], HOSTDEV_XML % b"vm", 0, ""),
+        (["qemu", "vm"], b"", 2, "usage"),
+        (["qemu", "vm", "prepare", "begin", "-"], b"<domain><hostdev>", 1, "not well-formed"),
+        (["qemu", "vm", "prepare", "begin", "-"], LAUGHS, 1, "DOCTYPE"),
+        (["qemu", "vm", "prepare", "begin", "-"], b"<hostdev>" * 200_000, 1, "larger than"),
+        (["qemu", "vm", "prepare", "begin", "-"], b"<domain><name>x</name></domain>", 0, ""),
+        (["qemu", "vm", "prepare", "begin", "-"], b"<domain><name>", 0, ""),
+        (["qemu", "a\nb", "prepare", "begin", "-"], HOSTDEV_XML % b"a", 1, "control characters"),
+        (["qemu", "x" * 300, "prepare", "begin", "-"], HOSTDEV_XML % b"x", 1, "1 to 256"),
+        (["qemu", "vm", "release", "end", "-"], b"<domain><hostdev>", 0, "not well-formed"),
+        (["qemu", "vm", "release", "end", "-"], LAUGHS, 0, "DOCTYPE"),
+        (["qemu", "a\nb", "release", "end", "failed"], HOSTDEV_XML % b"a", 0, "control"),
+        (["qemu", "vm", "reconnect", "begin", "-"], b"\xff\xfe garbage", 0, ""),
+        (["qemu", "vm", "reconnect", "begin", "-"], b"<hostdev", 0, "not well-formed"),
+        (["qemu", "vm", "migrate", "begin", "-"], HOSTDEV_XML % b"vm", 1, "cannot migrate"),
+        (
+            ["qemu", "vm", "prepare", "begin", "-"],
+            HOSTDEV_XML.replace(b"0x0a", b"0x1ff") % b"vm",
+            1,
+            "bad address",
+        ),
+    ],
+)
+def test_bad_input_to_the_hook(
+    holder_running: tuple[Libvirt, str], args: list[str], stdin: bytes, code: int, message: str
+) -> None:
+    """Scenario 9: a clear message, the right exit code, nothing on stdout, ledger unchanged."""
+    lv, holder = holder_running
+    before = lv.ledger_text()
+    result = lv.hook(*args, stdin=stdin)
+    assert result.returncode == code, result.stderr
+    assert result.stdout == b""
+    assert message.encode() in result.stderr
+    if code:
+        assert result.stderr.count(b"\n") <= 2, result.stderr
+    assert lv.ledger_text() == before
+    assert lv.running() == {holder}
+
+
+def test_odd_guest_names_never_become_paths(lv: Libvirt) -> None:
+    """A name full of path and shell syntax is only ever `libvirt:NAME` in the ledger."""
+    odd = "../../tmp/x;$(touch /tmp/ca-pwned)"
+    xml = (
+        f'<domain><name>x</name><metadata><ca:claim xmlns:ca="{"https://charly-arbiter.org/xmlns/claim/1"}"'
+        ' mode="shared"><ca:token>gpu1</ca:token></ca:claim></metadata></domain>'
+    ).encode()
+    result = lv.hook("qemu", odd, "prepare", "begin", "-", stdin=xml)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == b""
+    assert list(lv.leases()) == [f"libvirt:{odd}"]
+    assert not os.path.exists("/tmp/ca-pwned")
+    assert not os.path.exists("/tmp/x;$(touch /tmp/ca-pwned)")
+    result = lv.hook("qemu", odd, "release", "end", "-", stdin=xml)
+    assert result.returncode == 0, result.stderr
+    assert lv.leases() == {}
