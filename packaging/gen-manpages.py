@@ -28,7 +28,7 @@ PROGRAM = "charly-arbiter"
 SECTION = "8"
 
 FILES = [
-    ("/etc/charly-arbiter/arbiter.toml", "The configuration (tokens, holders, timeouts, policies)."),
+    ("/etc/charly-arbiter/arbiter.toml", "The configuration: tokens, holders, timeouts, policies."),
     ("/var/lib/charly-arbiter/ledger.toml", "The lease ledger (root only, mode 0700 directory)."),
     (
         "/etc/libvirt/hooks/qemu.d/charly-arbiter",
@@ -65,7 +65,8 @@ def page_name(path: list[str]) -> str:
 
 def header(name: str, date: str) -> list[str]:
     return [
-        f'.TH "{name.upper()}" "{SECTION}" "{date}" "{PROGRAM} {__version__}" "System Administration"',
+        f'.TH "{name.upper()}" "{SECTION}" "{date}" "{PROGRAM} {__version__}" '
+        '"System Administration"',
         ".SH NAME",
     ]
 
