@@ -277,8 +277,7 @@ class LibvirtHolders:
             raise HolderError(ref, action, "it is the domain this hook runs for")
 
     def _qemu_process_alive(self, name: str) -> bool:
-        """Whether a QEMU process runs for `name` (its command line has `guest=NAME,`)."""
-        wanted = f"guest={name.replace(',', ',,')},".encode()
+        """Whether a QEMU process runs for `name` (`-name guest=NAME,...` on its command line)."""
         for entry in self.proc_root.iterdir():
             if not entry.name.isdigit():
                 continue
@@ -286,9 +285,25 @@ class LibvirtHolders:
                 arguments = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if any(argument.startswith(wanted) for argument in arguments):
+            if any(_guest_option(argument) == name for argument in arguments):
                 return True
         return False
+
+
+def _guest_option(argument: bytes) -> str | None:
+    """The NAME of a QEMU `guest=NAME,...` option value (`,,` is an escaped comma)."""
+    if not argument.startswith(b"guest="):
+        return None
+    text = argument[len(b"guest=") :].decode(errors="replace")
+    name, index = [], 0
+    while index < len(text):
+        if text[index] == ",":
+            if text[index + 1 : index + 2] != ",":
+                break
+            index += 1
+        name.append(text[index])
+        index += 1
+    return "".join(name)
 
 
 def is_acting(state_dir: Path, ref: str) -> bool:

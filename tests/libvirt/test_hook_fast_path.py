@@ -1,0 +1,46 @@
+"""The hook's path for a domain that claims nothing stays light: measured with
+`python -X importtime` on the real hook process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PLAIN = b"<domain type='qemu'><name>plain</name><devices><serial type='pty'/></devices></domain>"
+HEAVY = ("libvirt", "pyudev", "pynvml", "click", "tomlkit", "portalocker")
+
+
+def imported_modules(
+    *args: str, stdin: bytes
+) -> tuple[subprocess.CompletedProcess[bytes], set[str]]:
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "charly_arbiter", "hook", *args],
+        input=stdin,
+        capture_output=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        timeout=60,
+    )
+    modules = set()
+    for line in result.stderr.decode().splitlines():
+        if line.startswith("import time:") and "|" in line:
+            modules.add(line.rsplit("|", 1)[1].strip())
+    return result, modules
+
+
+@pytest.mark.parametrize(
+    "operation",
+    [["prepare", "begin", "-"], ["release", "end", "destroyed"], ["start", "begin", "-"]],
+)
+def test_no_claim_path_imports_nothing_heavy(operation: list[str]) -> None:
+    result, modules = imported_modules("qemu", "plain", *operation, stdin=PLAIN)
+    assert result.returncode == 0
+    assert result.stdout == b""
+    heavy = {m for m in modules if m.split(".")[0] in HEAVY}
+    assert heavy == set(), heavy
+    assert "charly_arbiter.config" not in modules
+    assert "charly_arbiter.ledger" not in modules

@@ -1,0 +1,131 @@
+"""LibvirtHolders against libvirt's own `test:///FILE` driver (in-process, no daemon).
+
+The driver implements lookups, XML, shutdown, destroy, managed save and
+create like the QEMU driver's API does; each connection gets its own copy of
+the domains in the file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from charly_arbiter.config import Config, HolderConfig, Timeouts
+from charly_arbiter.errors import HolderError
+from charly_arbiter.holders.libvirt import ENV_HOOK_GUEST, LibvirtHolders, is_acting
+from charly_arbiter.host import PciFunction, TokenSpec
+from charly_arbiter.ledger import Ledger
+from charly_arbiter.model import Lease, LeaseState, Mode
+
+libvirt = pytest.importorskip("libvirt")
+
+NS = "https://charly-arbiter.org/xmlns/claim/1"
+NODE = f"""<node>
+<domain type='test'><name>holder</name><memory>65536</memory><os><type>hvm</type></os>
+<metadata><ca:claim xmlns:ca="{NS}" mode="shared" preemptible="yes" stop="managedsave">
+<ca:token>gpu0</ca:token></ca:claim></metadata></domain>
+<domain type='test'><name>passthrough</name><memory>65536</memory><os><type>hvm</type></os>
+<devices><hostdev mode='subsystem' type='pci' managed='yes'><source>
+<address domain='0x0000' bus='0x0a' slot='0x00' function='0x1'/></source></hostdev></devices>
+</domain>
+<domain type='test'><name>listed</name><memory>65536</memory><os><type>hvm</type></os></domain>
+<domain type='test'><name>bystander</name><memory>65536</memory><os><type>hvm</type></os></domain>
+</node>"""
+
+
+def function(address: str) -> PciFunction:
+    return PciFunction(address, "10de", "2684", "030000", "nvidia", "12")
+
+
+GPU0 = TokenSpec("gpu0", "0000:0a:00.0", (function("0000:0a:00.0"), function("0000:0a:00.1")))
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Config:
+    node = tmp_path / "node.xml"
+    node.write_text(NODE)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    return Config(
+        state_dir=state,
+        libvirt_uri=f"test://{node}",
+        timeouts=Timeouts(holder_stop=1, libvirt_call=10),
+        holders=(HolderConfig("libvirt:listed", ("gpu0",), preemptible=False, stop="shutdown"),),
+    )
+
+
+def test_domains_using_a_token_are_holders_by_the_xml_rules(config: Config) -> None:
+    source = LibvirtHolders(config, environ={})
+    found = {holder.ref: holder for holder in source.holders([GPU0])}
+    assert set(found) == {"libvirt:holder", "libvirt:passthrough", "libvirt:listed"}
+    assert found["libvirt:holder"].preemptible
+    assert found["libvirt:holder"].how == "virsh managedsave"
+    assert not found["libvirt:passthrough"].preemptible
+    assert found["libvirt:passthrough"].detail == "exclusive claim"
+    assert found["libvirt:listed"].detail == "listed in arbiter.toml"
+    assert all(holder.running for holder in found.values())
+
+
+def test_managedsave_stop_and_start_restores_the_image(config: Config) -> None:
+    source = LibvirtHolders(config, environ={})
+    source.holders([GPU0])
+    source.stop("libvirt:holder")
+    assert not source.is_running("libvirt:holder")
+    domain = source._lookup("holder")
+    assert domain.hasManagedSaveImage(0)
+    source.start("libvirt:holder")
+    assert source.is_running("libvirt:holder")
+    assert not domain.hasManagedSaveImage(0)
+
+
+def test_shutdown_stop_and_unknown_domain(config: Config) -> None:
+    source = LibvirtHolders(config, environ={})
+    source.stop("libvirt:listed")
+    assert not source.is_running("libvirt:listed")
+    assert not source.is_running("libvirt:nosuchvm")
+    with pytest.raises(HolderError, match="no domain"):
+        source.start("libvirt:nosuchvm")
+
+
+def test_in_a_hook_the_own_domain_is_never_touched_nor_enumerated(config: Config) -> None:
+    """In a hook, candidates come from the ledger and the configuration only."""
+    with Ledger(config.state_dir).transaction() as txn:
+        txn.state = txn.state.with_lease(
+            Lease("libvirt:holder", Mode.SHARED, ("gpu0",), LeaseState.ACTIVE, False, "b", "t")
+        )
+    source = LibvirtHolders(config, environ={ENV_HOOK_GUEST: "passthrough"})
+    refs = {holder.ref for holder in source.holders([GPU0])}
+    assert refs == {"libvirt:holder", "libvirt:listed"}  # bystander and itself not asked
+    assert source.is_running("libvirt:passthrough")
+    for action in (source.stop, source.start):
+        with pytest.raises(HolderError, match="this hook runs for"):
+            action("libvirt:passthrough")
+
+
+def test_stop_marks_the_domain_as_acted_on_for_its_own_hook(config: Config) -> None:
+    source = LibvirtHolders(config, environ={})
+    assert not is_acting(config.state_dir, "libvirt:holder")
+    with source.acting("libvirt:holder"):
+        assert is_acting(config.state_dir, "libvirt:holder")
+        assert not is_acting(config.state_dir, "libvirt:listed")
+    assert not is_acting(config.state_dir, "libvirt:holder")
+
+
+def test_with_libvirtd_unreachable_liveness_comes_from_qemu_processes(
+    config: Config, tmp_path: Path
+) -> None:
+    """/proc is the outermost seam here: a fake one with a QEMU command line."""
+    proc = tmp_path / "proc"
+    (proc / "4242").mkdir(parents=True)
+    (proc / "4242" / "cmdline").write_bytes(
+        b"qemu-system-x86_64\0-name\0guest=win,,11,debug-threads=on\0"
+    )
+    down = Config(
+        state_dir=config.state_dir,
+        libvirt_uri="qemu+unix:///system?socket=/nonexistent/libvirt-sock",
+        timeouts=config.timeouts,
+    )
+    source = LibvirtHolders(down, environ={}, proc_root=proc)
+    assert source.is_running("libvirt:win,11")
+    assert not source.is_running("libvirt:win")
