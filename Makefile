@@ -53,8 +53,8 @@ install: install-python install-data
 install-python:
 	rm -rf $(BUILDDIR)/wheel
 	$(PYTHON) -m build --wheel --no-isolation --outdir $(BUILDDIR)/wheel .
-	$(PYTHON) -m installer --destdir="$(DESTDIR)" --prefix="$(PREFIX)" \
-		$(BUILDDIR)/wheel/charly_arbiter-$(VERSION)-py3-none-any.whl
+	$(PYTHON) packaging/install-wheel.py $(BUILDDIR)/wheel/charly_arbiter-$(VERSION)-py3-none-any.whl \
+		"$(DESTDIR)" "$(PREFIX)" "$(BINDIR)"
 
 install-data: man completions
 	install -d -m 0755 $(DESTDIR)$(dir $(HOOK))
@@ -99,7 +99,7 @@ lintian:
 rpm-srpm: sources
 	rm -rf $(BUILDDIR)/rpm && mkdir -p $(BUILDDIR)/rpm/SOURCES $(DISTDIR)
 	cp $(BUILDDIR)/$(NAME)-$(VERSION).tar.gz $(BUILDDIR)/rpm/SOURCES/
-	rpmbuild -bs --define "_topdir $(CURDIR)/$(BUILDDIR)/rpm" packaging/rpm/$(NAME).spec
+	rpmbuild -bs --define "_topdir $(abspath $(BUILDDIR))/rpm" packaging/rpm/$(NAME).spec
 	cp $(BUILDDIR)/rpm/SRPMS/$(NAME)-$(VERSION)-*.src.rpm $(DISTDIR)/
 
 rpm-spec-check:
