@@ -233,7 +233,18 @@ class Arbiter:
                 state = state.with_home(token, dict(home))
         for preempted in plan.preempted_leases:
             state = state.without_lease(preempted)
-        stopped = [*plan.inherited]
+        # A holder is recorded once: a stop planned now supersedes an inherited
+        # record of it (one whose stop never happened before a crash).
+        planned = {step.holder for step in plan.stops}
+        stopped = [record for record in plan.inherited if record.holder not in planned]
+        # A holder this claim stops is its to bring back, even if an unfinished
+        # lease (left by a crash) still lists it as planned.
+        for other in state.leases:
+            taken = [r for r in other.stopped if r.holder in planned and not r.restored]
+            for record in taken:
+                other = other.with_stopped(replace(record, restored=True))
+            if taken:
+                state = state.with_lease(other)
         stopped += [StoppedHolder(s.holder, StepState.PLANNED, s.shared_tokens) for s in plan.stops]
         lease = Lease(
             claimant=plan.claimant,
@@ -342,7 +353,7 @@ class Arbiter:
             if lease.switch_state(name) is StepState.DONE:
                 continue
             complete &= self._send_home(claimant, tokens.get(name))
-        complete &= self._restore_holders(claimant)
+        complete &= self._restore_holders(claimant, holder_tokens)
         crashpoint("release.restored")
         with self.ledger.transaction() as txn:
             current = txn.state.lease_of(claimant)
@@ -357,9 +368,9 @@ class Arbiter:
         return True
 
     def _holder_tokens(self, lease: Lease) -> dict[str, set[str]]:
-        """Which of the lease's tokens each holder it stopped uses (for hand-overs)."""
+        """Which tokens each holder the lease stopped uses (for hand-overs)."""
         try:
-            holders = self.host.holders(self._known_specs(lease.tokens))
+            holders = self.host.holders(list(self.tokens().values()))
         except ArbiterError as error:
             log.warning("%s: cannot list the holders: %s", lease.claimant, error)
             holders = []
@@ -469,7 +480,9 @@ class Arbiter:
                 txn.state = txn.state.with_lease(lease.with_switch(token.name, StepState.DONE))
         return True
 
-    def _restore_holders(self, claimant: str) -> bool:
+    def _restore_holders(
+        self, claimant: str, holder_tokens: dict[str, set[str]] | None = None
+    ) -> bool:
         lease = self.ledger.read().lease_of(claimant)
         if lease is None:
             return True
@@ -479,6 +492,9 @@ class Arbiter:
                 continue
             crashpoint("release.start")
             try:
+                uses = (holder_tokens or {}).get(record.holder, set())
+                if self._hand_to_exclusive_holder(claimant, record, uses):
+                    continue
                 self._restore_one(claimant, record)
             except ArbiterError as error:
                 log.error("%s: could not restore %s: %s", claimant, record.holder, error)
@@ -487,6 +503,33 @@ class Arbiter:
                 )
                 complete = False
         return complete
+
+    def _hand_to_exclusive_holder(
+        self, claimant: str, record: StoppedHolder, uses: set[str]
+    ) -> bool:
+        """Give the record to an exclusive lease that now holds one of the holder's
+        tokens, instead of starting the holder under it; that lease brings it back."""
+        with self.ledger.transaction() as txn:
+            lease = txn.state.lease_of(claimant)
+            heir = next(
+                (
+                    other
+                    for other in txn.state.leases
+                    if other.claimant != claimant
+                    and other.mode is Mode.EXCLUSIVE
+                    and other.state is not LeaseState.RELEASING
+                    and any(blocks_token(other, token) for token in uses)
+                ),
+                None,
+            )
+            if lease is None or heir is None:
+                return False
+            if all(r.holder != record.holder or r.restored for r in heir.stopped):
+                txn.state = txn.state.with_lease(heir.with_stopped(record))
+            lease = txn.state.lease_of(claimant) or lease
+            txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
+        log.info("%s: %s stays stopped for %s", claimant, record.holder, heir.claimant)
+        return True
 
     def _restore_one(self, claimant: str, record: StoppedHolder) -> None:
         """Start the holder again and give a shared claimant its lease back."""

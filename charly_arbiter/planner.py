@@ -178,10 +178,12 @@ def _decide_exclusive(
     preempted: dict[str, tuple[str, ...]] = {}
     inherited: list[StoppedHolder] = []
     for lease in ledger.leases:
-        shared_here = tuple(t for t in lease.tokens if t in names)
+        # Only active shared leases that still hold a token are preempted; one that
+        # is releasing and has let go of the token brings back its own holders.
+        shared_here = [t for t in lease.tokens if t in names and blocks_token(lease, t)]
         if lease.mode is Mode.SHARED and shared_here and lease.claimant != claimant:
             preempted[lease.claimant] = lease.tokens
-            inherited.extend(lease.stopped)
+            inherited.extend(record for record in lease.stopped if not record.restored)
 
     stops: list[StopStep] = []
     for holder in _running_holders(holders, claimant, names):
