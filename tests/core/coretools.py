@@ -9,6 +9,8 @@ from typing import Any
 from charly_arbiter.ledger import LEDGER, Ledger
 from charly_arbiter.model import LedgerState
 
+REPO = Path(__file__).resolve().parent.parent.parent
+
 # The same host as tests/conftest.py's DEFAULT_HOST, written so that a test can
 # switch on one fault by name.
 DEVICES = """
