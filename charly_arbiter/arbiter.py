@@ -625,7 +625,7 @@ class Arbiter:
         for spec in self.tokens().values():
             poison = state.poison_of(spec.name)
             holding = [lease for lease in state.leases if blocks_token(lease, spec.name)]
-            mode = "idle"
+            mode = "unknown" if reading.corrupt else "idle"
             if any(lease.mode is Mode.EXCLUSIVE for lease in holding):
                 mode = "exclusive"
             elif holding:

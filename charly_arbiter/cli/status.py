@@ -98,7 +98,7 @@ def render(result: Status, colour: bool = False, now: datetime | None = None) ->
     if result.stranded:
         lines.append(style("stranded: " + ", ".join(result.stranded), "bad"))
         lines.append("hint: run `charly-arbiter restore --stranded`")
-    elif not result.leases:
+    elif not result.leases and not result.corrupt:  # a corrupt ledger is never "no leases"
         lines.append("no leases")
     return "\n".join(lines).rstrip("\n")
 
