@@ -581,7 +581,7 @@ class Arbiter:
 
     def restore(self, claimants: Sequence[str] | None = None, dry_run: bool = False) -> list[str]:
         """Converge stranded (or named) claimants: restore, send home, remove leases."""
-        state = self.ledger.read()
+        state = self.ledger.read() if dry_run else self.ledger.recover()
         if claimants is None:
             targets = sorted(self.stranded_claimants(state))
         else:

@@ -68,7 +68,12 @@ class Ledger:
     def read(self) -> LedgerState:
         """The current state without taking the lock; raises `LedgerCorrupt`."""
         self._check_state_dir(create=False)
-        return self._load_file(self.path) if self.path.exists() else LedgerState()
+        if self.path.exists() or self.path.is_symlink():
+            return self._load_file(self.path)
+        if self.backup.exists():
+            # A ledger never disappears on its own; its backup says it existed.
+            raise LedgerCorrupt(self.path, f"it is missing but {self.backup} exists")
+        return LedgerState()
 
     def inspect(self) -> Reading:
         """Like `read`, but reports corruption instead of raising (for `status`)."""
@@ -93,9 +98,16 @@ class Ledger:
             if txn.state != before:
                 self._write_unlocked(replace(txn.state, generation=before.generation + 1))
 
+    def recover(self) -> LedgerState:
+        """Take the lock once: remove what an interrupted write left behind and
+        fall back to a verifying backup if the ledger is corrupt (`restore` runs
+        this first, so it converges even when no lease needs it)."""
+        with self.transaction() as txn:
+            return txn.state
+
     def _load_for_update_unlocked(self) -> tuple[LedgerState, bool]:
         self._remove_stray_temp_unlocked()
-        if not self.path.exists():
+        if not self.path.exists() and not self.path.is_symlink():
             if self.backup.exists():
                 # A ledger never disappears on its own; its backup says it existed.
                 raise LedgerCorrupt(self.path, f"it is missing but {self.backup} exists")
@@ -121,6 +133,9 @@ class Ledger:
         aside = self.state_dir / f"{LEDGER}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
         os.rename(self.path, aside)
         _fsync_dir(self.state_dir)
+        # The backup becomes the ledger at once, whatever the caller does next
+        # (a refusal writes nothing): a missing ledger would be corrupt too.
+        self._write_unlocked(state)
         log.warning(
             "%s is corrupt (%s); moved it to %s and continued from %s (generation %d)",
             self.path,

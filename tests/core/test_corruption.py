@@ -152,3 +152,28 @@ def test_a_missing_ledger_with_a_backup_is_corrupt_not_empty(sim, good):
     result = sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0")
     assert result.returncode == 1 and "is missing" in result.stderr
     assert not (sim.state_dir / "ledger.toml").exists()
+
+
+def test_a_refused_claim_after_a_backup_fall_back_leaves_a_valid_ledger(sim, good):
+    path = sim.state_dir / "ledger.toml"
+    backup_state = Ledger(sim.state_dir)._load_file(sim.state_dir / "ledger.toml.bak")
+    path.write_bytes(good[:-3])
+    refused = sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu1")  # display-manager
+    assert refused.returncode == 3 and "ledger.toml.bak" in refused.stderr
+    assert Ledger(sim.state_dir).read() == backup_state
+    assert sim.cli("status").returncode == 0
+
+
+def test_restore_alone_cleans_up_after_an_interrupted_first_write(sim):
+    result = sim.cli(
+        "acquire",
+        "--shared",
+        "container:x",
+        "gpu1",
+        env=sim.env(CHARLY_ARBITER_CRASH_AT="ledger.fsync_temp"),
+    )
+    assert result.returncode == -9
+    assert (sim.state_dir / "ledger.toml.tmp").exists()
+    assert not (sim.state_dir / "ledger.toml").exists()
+    assert sim.cli("restore", "--stranded").stdout == "nothing to restore\n"
+    assert not (sim.state_dir / "ledger.toml.tmp").exists()
