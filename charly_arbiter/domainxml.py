@@ -141,7 +141,9 @@ def _with_claim_element(facts: DomainFacts, claim: ET.Element) -> DomainFacts:
             raise DomainXMLError(name, f"claim mode {mode_text!r} is not exclusive or shared")
         mode = Mode(mode_text)
     tokens = []
-    for element in claim.iterfind(_TOKEN_TAG):
+    # `virsh metadata --set` puts only the root element in the namespace: accept
+    # un-namespaced <token> children of our element too.
+    for element in [*claim.iterfind(_TOKEN_TAG), *claim.iterfind("token")]:
         token = (element.text or "").strip()
         if _TOKEN_NAME.fullmatch(token) is None:
             raise DomainXMLError(name, f"claim token {token!r} is not a token name")

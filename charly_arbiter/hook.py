@@ -167,10 +167,16 @@ class _Hook:
 
         reason = "" if reason == "-" else reason
         lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
+        nested = self.nested()
+        log.info(
+            "%s stopped (%s)%s",
+            self.ref,
+            reason or "no reason given",
+            " by the arbiter" if nested else "",
+        )
         if lease is None:
             return 0  # a refused prepare, or a holder whose lease moved: nothing is ours
-        log.info("%s stopped (%s)", self.ref, reason or "no reason given")
-        if any(not record.restored for record in lease.stopped) and not self.nested():
+        if any(not record.restored for record in lease.stopped) and not nested:
             # Starting what the claim stopped calls libvirt and may take a while:
             # a detached process does it, so `virsh destroy` returns at once.
             _spawn_finish_release(self.config, self.ref, reason)
@@ -231,14 +237,23 @@ def _refuse_listed_stops(arbiter: Any, ref: str, claim: DomainClaim, policy: Any
 
 
 def _spawn_finish_release(config: Config, ref: str, reason: str) -> None:
+    """Hand the rest of `release` to a process of its own, with nothing of libvirt's.
+
+    The child gets a fixed environment, so it is pointed at the directory this
+    package was loaded from (an installed package, or a checkout on PYTHONPATH).
+    """
+    from pathlib import Path
+
     from charly_arbiter.run import spawn_detached
 
+    package_parent = str(Path(__file__).resolve().parent.parent)
     spawn_detached(
         [
             sys.executable,
-            "-m",
-            "charly_arbiter",
-            "hook",
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); "
+            "from charly_arbiter.hook import main; sys.exit(main(sys.argv[2:]))",
+            package_parent,
             DETACHED,
             str(config.path or "-"),
             str(config.state_dir),

@@ -170,6 +170,16 @@ class Libvirt:
         path = self.state_dir / "ledger.toml"
         return path.read_text() if path.exists() else ""
 
+    def hook_log_lines(self) -> list[tuple[int, str]]:
+        """(pid, message) of every line the hooks logged to hook_log so far."""
+        text = self.hook_log.read_text() if self.hook_log.exists() else ""
+        lines = []
+        for line in text.splitlines():
+            parts = line.split(" ", 4)
+            if len(parts) == 5 and parts[2].isdigit():
+                lines.append((int(parts[2]), parts[4]))
+        return lines
+
     def sim_state(self) -> dict[str, Any]:
         path = self.sim_dir / "state.json"
         return json.loads(path.read_text()) if path.exists() else {}
@@ -297,6 +307,10 @@ def _stop_daemon(pidfile: Path) -> None:
 
 @contextlib.contextmanager
 def _session_lock() -> Iterator[None]:
+    if os.environ.get("CHARLY_LIBVIRT_LOCK_HELD") == "1":
+        # tests/package installed the package and holds the lock around this whole run.
+        yield
+        return
     handle = LOCK.open("a")
     deadline = time.monotonic() + 900
     while True:
@@ -343,16 +357,25 @@ def _why_not() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
-def libvirt_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Libvirt]:
-    reason = _why_not()
-    if reason:
-        log(f"SKIPPING the real-libvirtd tests: {reason}")
-        pytest.skip(reason)
-    work = tmp_path_factory.mktemp("libvirt-e2e")
+class Unavailable(Exception):
+    """A real libvirtd cannot be run here; the message says why."""
+
+
+def why_not() -> str | None:
+    """Why the real-libvirtd tests cannot run here, or None when they can."""
+    return _why_not()
+
+
+@contextlib.contextmanager
+def libvirt_environment(work: Path, with_hook: bool = True) -> Iterator[Libvirt]:
+    """A running libvirtd (with the hook unless `with_hook` is false) under the session lock.
+
+    Everything it touches under /etc is restored when the block ends; the
+    daemons it started are stopped.  Used by the tests and by bench/bench_hook.py.
+    """
     os.chmod(work, 0o700)
     sim_dir, state_dir = work / "host", work / "state"
-    sim_dir.mkdir()
+    sim_dir.mkdir(exist_ok=True)
     (sim_dir / "host.toml").write_text(HOST_TOML)
     if INSTALLED:
         cli_argv = ["/usr/bin/charly-arbiter"]
@@ -370,21 +393,24 @@ def libvirt_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Libvir
     env = Libvirt(work, sim_dir, state_dir, config_path, work / "hook.log", cli_argv)
     with _session_lock():
         if _pid_alive(RUN / "libvirtd.pid"):
-            pytest.fail(
+            raise Unavailable(
                 "a libvirtd is already running (see /run/libvirtd.pid): the hook is only "
                 "loaded when libvirtd starts, so stop it before running these tests"
             )
         HOOK_DIR.mkdir(parents=True, exist_ok=True)
         config_dir_existed = INSTALLED_CONFIG.parent.exists()
-        backups = [QEMU_CONF, *([] if INSTALLED else [HOOK]), *([config_path] if INSTALLED else [])]
+        backups = [QEMU_CONF, HOOK, *([config_path] if INSTALLED else [])]
         with _restored(*backups):
             text = QEMU_CONF.read_text() if QEMU_CONF.exists() else ""
             if QEMU_SETTINGS.strip() not in text:
                 QEMU_CONF.write_text(text + QEMU_SETTINGS)
             if INSTALLED:
-                if not os.access(HOOK, os.X_OK):
-                    pytest.fail(f"the installed package did not install its hook at {HOOK}")
                 config_path.parent.mkdir(parents=True, exist_ok=True)
+            if not with_hook:
+                HOOK.unlink(missing_ok=True)
+            elif INSTALLED:
+                if not os.access(HOOK, os.X_OK):
+                    raise Unavailable(f"the installed package did not install its hook at {HOOK}")
             else:
                 hook = (REPO / "hooks" / "qemu").read_text()
                 HOOK.write_text(
@@ -392,10 +418,8 @@ def libvirt_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Libvir
                 )
                 HOOK.chmod(0o755)
             env.clean()
-            log(
-                f"starting virtlogd and libvirtd with the hook {HOOK} "
-                f"({'installed' if INSTALLED else 'checkout'} CLI)"
-            )
+            what = f"with the hook {HOOK}" if with_hook else "without a hook"
+            log(f"starting libvirtd {what} ({'installed' if INSTALLED else 'checkout'} CLI)")
             env.start_daemons()
             try:
                 yield env
@@ -406,6 +430,19 @@ def libvirt_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Libvir
                     _stop_daemon(RUN / "virtlogd.pid")
         if INSTALLED and not config_dir_existed:
             shutil.rmtree(INSTALLED_CONFIG.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def libvirt_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Libvirt]:
+    reason = _why_not()
+    if reason:
+        log(f"SKIPPING the real-libvirtd tests: {reason}")
+        pytest.skip(reason)
+    try:
+        with libvirt_environment(tmp_path_factory.mktemp("libvirt-e2e")) as env:
+            yield env
+    except Unavailable as error:
+        pytest.fail(str(error))
 
 
 @pytest.fixture

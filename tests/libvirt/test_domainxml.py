@@ -132,3 +132,17 @@ def test_mdev_parent_is_read_from_sysfs(tmp_path: Path) -> None:
     assert mdev_parent(tmp_path, UUID) == "0000:0b:00.0"
     assert mdev_parent(tmp_path, "4b20d080-1b54-4048-85b3-a6a62d165c02") is None
     assert mdev_parent(tmp_path, "../../etc") is None
+
+
+def test_the_shipped_example_is_a_preemptible_shared_claim() -> None:
+    from tests.conftest import REPO
+
+    xml = (REPO / "etc" / "charly-arbiter" / "domain-metadata.xml").read_bytes()
+    claim = claim_of(xml)
+    assert claim is not None
+    assert (claim.mode, claim.tokens, claim.preemptible, claim.stop) == (
+        Mode.SHARED,
+        ("gpu0",),
+        True,
+        "managedsave",
+    )

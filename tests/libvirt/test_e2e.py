@@ -40,10 +40,26 @@ def test_exclusive_claimant_preempts_shared_holder_and_brings_it_back(lv: Libvir
     lv.virsh("start", holder)
     assert lv.leases()[f"libvirt:{holder}"]["mode"] == "shared"
 
+    logged = len(lv.hook_log_lines())
     lv.virsh("start", vm)
     assert lv.running() == {vm}
     leases = lv.leases()
     assert list(leases) == [f"libvirt:{vm}"]
+    # The holder's own hook ran, nested, while the claimant's prepare hook waited on libvirt.
+    lines = lv.hook_log_lines()[logged:]
+    stopping = next(
+        i
+        for i, (_, m) in enumerate(lines)
+        if m.endswith(f"stopping libvirt:{holder} (virsh shutdown)")
+    )
+    nested = next(
+        i
+        for i, (_, m) in enumerate(lines)
+        if m == f"libvirt:{holder} stopped (no reason given) by the arbiter"
+    )
+    held = next(i for i, (_, m) in enumerate(lines) if m.startswith(f"libvirt:{vm} holds gpu0"))
+    assert stopping < nested < held
+    assert lines[stopping][0] == lines[held][0] != lines[nested][0]
     assert leases[f"libvirt:{vm}"]["stopped"] == [f"libvirt:{holder}"]
     token = lv.status()["tokens"]["gpu0"]
     assert token["mode"] == "exclusive"
@@ -233,28 +249,105 @@ LAUGHS = b"""<?xml version="1.0"?><!DOCTYPE d [<!ENTITY a "aaaaaaaaaa">
 @pytest.mark.parametrize(
     ("args", "stdin", "code", "message"),
     [
-        (["qemu", "vm", "frobnicate", "begin", "-"], HOSTDEV_XML % b"vm", 0, ""),
-        (["qemu", "vm", "start", "begin", "-"], HOSTDEV_XML % b"vm", 0, ""),
-        (["lxc", "vm", "prepare", "begin", "-"], HOSTDEV_XML % b"vm", 0, ""),
-        (["qemu", "vm"], b"", 2, "usage"),
-        (["qemu", "vm", "prepare", "begin", "-"], b"<domain><hostdev>", 1, "not well-formed"),
-        (["qemu", "vm", "prepare", "begin", "-"], LAUGHS, 1, "DOCTYPE"),
-        (["qemu", "vm", "prepare", "begin", "-"], b"<hostdev>" * 200_000, 1, "larger than"),
-        (["qemu", "vm", "prepare", "begin", "-"], b"<domain><name>x</name></domain>", 0, ""),
-        (["qemu", "vm", "prepare", "begin", "-"], b"<domain><name>", 0, ""),
-        (["qemu", "a\nb", "prepare", "begin", "-"], HOSTDEV_XML % b"a", 1, "control characters"),
-        (["qemu", "x" * 300, "prepare", "begin", "-"], HOSTDEV_XML % b"x", 1, "1 to 256"),
-        (["qemu", "vm", "release", "end", "-"], b"<domain><hostdev>", 0, "not well-formed"),
-        (["qemu", "vm", "release", "end", "-"], LAUGHS, 0, "DOCTYPE"),
-        (["qemu", "a\nb", "release", "end", "failed"], HOSTDEV_XML % b"a", 0, "control"),
-        (["qemu", "vm", "reconnect", "begin", "-"], b"\xff\xfe garbage", 0, ""),
-        (["qemu", "vm", "reconnect", "begin", "-"], b"<hostdev", 0, "not well-formed"),
-        (["qemu", "vm", "migrate", "begin", "-"], HOSTDEV_XML % b"vm", 1, "cannot migrate"),
-        (
+        pytest.param(
+            ["qemu", "vm", "frobnicate", "begin", "-"], HOSTDEV_XML % b"vm", 0, "", id="unknown-op"
+        ),
+        pytest.param(
+            ["qemu", "vm", "start", "begin", "-"], HOSTDEV_XML % b"vm", 0, "", id="start-op"
+        ),
+        pytest.param(
+            ["lxc", "vm", "prepare", "begin", "-"], HOSTDEV_XML % b"vm", 0, "", id="other-driver"
+        ),
+        pytest.param(["qemu", "vm"], b"", 2, "usage", id="too-few-args"),
+        pytest.param(
+            ["qemu", "vm", "prepare", "begin", "-"],
+            b"<domain><hostdev>",
+            1,
+            "not well-formed",
+            id="malformed-prepare",
+        ),
+        pytest.param(
+            ["qemu", "vm", "prepare", "begin", "-"], LAUGHS, 1, "DOCTYPE", id="entities-prepare"
+        ),
+        pytest.param(
+            ["qemu", "vm", "prepare", "begin", "-"],
+            b"<hostdev>" * 200_000,
+            1,
+            "larger than",
+            id="huge-prepare",
+        ),
+        pytest.param(
+            ["qemu", "vm", "prepare", "begin", "-"],
+            b"<domain><name>x</name></domain>",
+            0,
+            "",
+            id="no-claim-prepare",
+        ),
+        pytest.param(
+            ["qemu", "vm", "prepare", "begin", "-"],
+            b"<domain><name>",
+            0,
+            "",
+            id="truncated-no-hostdev",
+        ),
+        pytest.param(
+            ["qemu", "a\nb", "prepare", "begin", "-"],
+            HOSTDEV_XML % b"a",
+            1,
+            "control characters",
+            id="newline-name",
+        ),
+        pytest.param(
+            ["qemu", "x" * 300, "prepare", "begin", "-"],
+            HOSTDEV_XML % b"x",
+            1,
+            "1 to 256",
+            id="long-name",
+        ),
+        pytest.param(
+            ["qemu", "vm", "release", "end", "-"],
+            b"<domain><hostdev>",
+            0,
+            "not well-formed",
+            id="malformed-release",
+        ),
+        pytest.param(
+            ["qemu", "vm", "release", "end", "-"], LAUGHS, 0, "DOCTYPE", id="entities-release"
+        ),
+        pytest.param(
+            ["qemu", "a\nb", "release", "end", "failed"],
+            HOSTDEV_XML % b"a",
+            0,
+            "control",
+            id="control-name-release",
+        ),
+        pytest.param(
+            ["qemu", "vm", "reconnect", "begin", "-"],
+            b"\xff\xfe garbage",
+            0,
+            "",
+            id="garbage-reconnect",
+        ),
+        pytest.param(
+            ["qemu", "vm", "reconnect", "begin", "-"],
+            b"<hostdev",
+            0,
+            "not well-formed",
+            id="malformed-reconnect",
+        ),
+        pytest.param(
+            ["qemu", "vm", "migrate", "begin", "-"],
+            HOSTDEV_XML % b"vm",
+            1,
+            "cannot migrate",
+            id="migrate-exclusive",
+        ),
+        pytest.param(
             ["qemu", "vm", "prepare", "begin", "-"],
             HOSTDEV_XML.replace(b"0x0a", b"0x1ff") % b"vm",
             1,
             "bad address",
+            id="bad-address",
         ),
     ],
 )
@@ -289,4 +382,24 @@ def test_odd_guest_names_never_become_paths(lv: Libvirt) -> None:
     assert not os.path.exists("/tmp/x;$(touch /tmp/ca-pwned)")
     result = lv.hook("qemu", odd, "release", "end", "-", stdin=xml)
     assert result.returncode == 0, result.stderr
+    assert lv.leases() == {}
+
+
+def test_claim_set_with_virsh_metadata_is_read(lv: Libvirt) -> None:
+    """The docs' `virsh metadata --set` command (libvirt namespaces only the root element)."""
+    vm = lv.define("meta")
+    lv.virsh(
+        "metadata",
+        vm,
+        "https://charly-arbiter.org/xmlns/claim/1",
+        "--key",
+        "ca",
+        "--config",
+        "--set",
+        '<claim mode="shared"><token>gpu1</token></claim>',
+    )
+    lv.virsh("start", vm)
+    lease = lv.leases()[f"libvirt:{vm}"]
+    assert (lease["mode"], lease["tokens"]) == ("shared", ["gpu1"])
+    lv.virsh("destroy", vm)
     assert lv.leases() == {}
