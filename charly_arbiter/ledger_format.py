@@ -13,8 +13,6 @@ import re
 import tomllib
 from typing import Any
 
-import tomlkit
-
 from charly_arbiter.model import (
     Lease,
     LeaseState,
@@ -35,6 +33,8 @@ class FormatError(Exception):
 
 def encode(state: LedgerState) -> bytes:
     """Serialize, then re-parse the result in memory before anyone writes it."""
+    import tomlkit  # only writers pay for its import; reading uses tomllib
+
     body = tomlkit.dumps(_to_document(state)).encode("utf-8")
     data = b'checksum = "sha256:' + hashlib.sha256(body).hexdigest().encode() + b'"\n' + body
     if decode(data) != state:

@@ -16,6 +16,11 @@ CONFIG_EXAMPLE = """\
 host = "sim:{directory}"
 state_dir = "{directory}/state"
 
+[timeouts]
+# A simulated VM starts at once: a claimant that does not run 1 s after its
+# claim is stranded (the default, 60 s, leaves a real VM time to boot).
+claim_grace = 1
+
 [tokens.gpu0]
 address = "0000:0a:00.0"
 

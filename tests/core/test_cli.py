@@ -258,8 +258,10 @@ def test_sim_commands(tmp_path):
     )
     assert init.returncode == 0, init.stderr
     assert (directory / "host.toml").exists() and (directory / "arbiter.toml").exists()
-    with (directory / "arbiter.toml").open("a") as config:
-        config.write("\n[timeouts]\nclaim_grace = 0.001\n")  # a claimant is judged at once
+    config = directory / "arbiter.toml"
+    assert "claim_grace = 1\n" in config.read_text()
+    # A claimant is judged at once.
+    config.write_text(config.read_text().replace("claim_grace = 1\n", "claim_grace = 0.001\n"))
     shown = json.loads(cli("sim", "show").stdout)
     assert shown["running"] == {
         "container:llm": True,
