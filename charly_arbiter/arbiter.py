@@ -21,6 +21,7 @@ from charly_arbiter.config import Config
 from charly_arbiter.crashpoints import crashpoint
 from charly_arbiter.errors import (
     ArbiterError,
+    LeaseInProgress,
     SwitchFailed,
     UnknownToken,
 )
@@ -341,6 +342,10 @@ class Arbiter:
             lease = txn.state.lease_of(claimant)
             if lease is None:
                 return False
+            if self._owned_by_another_live_process(lease):
+                # Tearing down a claim another process is still carrying out
+                # would race with its steps; it finishes (or rolls back) itself.
+                raise LeaseInProgress(claimant, str(lease.state), lease.owner_pid)
             lease, txn.state = self._release_intent_unlocked(
                 txn.state, lease, success, reason, holder_tokens
             )
@@ -366,6 +371,14 @@ class Arbiter:
         if not complete:
             log.error("%s: release incomplete; run `charly-arbiter restore %s`", claimant, claimant)
         return True
+
+    def _owned_by_another_live_process(self, lease: Lease) -> bool:
+        return (
+            lease.state is not LeaseState.ACTIVE
+            and lease.owner_pid not in (0, self.pid)
+            and lease.boot_id == self.host.boot_id()
+            and _pid_alive(lease.owner_pid)
+        )
 
     def _holder_tokens(self, lease: Lease) -> dict[str, set[str]]:
         """Which tokens each holder the lease stopped uses (for hand-overs)."""

@@ -107,6 +107,18 @@ class LedgerBusy(ArbiterError):
         self.holder_pid = holder_pid
 
 
+class LeaseInProgress(ArbiterError):
+    """Another live process is acquiring or releasing this claimant's lease."""
+
+    def __init__(self, claimant: str, state: str, pid: int) -> None:
+        super().__init__(
+            f"the lease of {claimant} is {state} by process {pid}, which is still running",
+            hint="wait for that command to finish, then try again",
+        )
+        self.claimant = claimant
+        self.pid = pid
+
+
 class LedgerWriteFailed(ArbiterError):
     """Writing a new ledger generation failed; the previous one is still in place."""
 

@@ -5,10 +5,20 @@ host is the real file-backed one, so each effect is read back from its state."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
 import pytest
-from coretools import ALL_PREEMPTIBLE, HOME, assert_converged, host_state, host_toml, ledger_bytes
+from coretools import (
+    ALL_PREEMPTIBLE,
+    HOME,
+    REPO,
+    assert_converged,
+    host_state,
+    host_toml,
+    ledger_bytes,
+)
 
 from charly_arbiter.errors import ClaimRefused, HolderError, SwitchFailed, TokenPoisoned
 from charly_arbiter.model import VFIO, LeaseState, Mode, StepState
@@ -337,3 +347,69 @@ def test_every_token_of_the_group_moves_together(make_sim):
     assert set(sim.host().snapshot()["drivers"].values()) == {VFIO}
     arbiter.release_claimant("libvirt:win11")
     assert sim.host().snapshot()["drivers"] == HOME
+
+
+def test_release_of_a_claim_another_live_process_is_carrying_out_is_refused(make_sim):
+    """A real acquire hangs in its driver switch while a second real process
+    tries to release the same claimant."""
+    sim = make_sim(host_toml(gpu0="hang_switch = true"))
+    claim = subprocess.Popen(
+        [sys.executable, "-m", "charly_arbiter", "acquire", "--exclusive", "libvirt:win11", "gpu0"],
+        env=sim.env(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            leases = sim.status()["leases"]
+            if leases and leases[0]["state"] == "acquiring":
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the claim never showed up as acquiring")
+        before = ledger_bytes(sim.state_dir)
+        result = sim.cli("release", "libvirt:win11")
+        assert result.returncode == 1
+        assert f"is acquiring by process {claim.pid}, which is still running" in result.stderr
+        assert "Traceback" not in result.stderr and result.stdout == ""
+        assert ledger_bytes(sim.state_dir) == before
+        assert sim.status()["stranded"] == []  # its owner is alive
+    finally:
+        _, stderr = claim.communicate(timeout=30)
+    assert claim.returncode == 1 and "did not return within" in stderr
+    sim.set_host(host_toml())
+    assert sim.status()["leases"] == []
+    assert running(sim, "container:llm") and running(sim, "systemd:ollama.service")
+
+
+def test_restore_of_an_acquiring_lease_with_a_poisoned_token(make_sim):
+    """kill -9 right after the poison was written: the lease is still acquiring."""
+    sim = make_sim(host_toml(gpu0="fail_switch = true"))
+    # Transactions: the intent, two stop records, then the poison.
+    result = sim.cli(
+        "acquire",
+        "--exclusive",
+        "libvirt:win11",
+        "gpu0",
+        env=sim.env(CHARLY_ARBITER_CRASH_AT="ledger.fsync_dir#4"),
+    )
+    assert result.returncode == -9
+    state = sim.arbiter().ledger.read()
+    assert state.poison_of("gpu0") is not None
+    (lease,) = state.leases
+    assert lease.state is LeaseState.ACQUIRING
+    assert sim.status()["stranded"] == ["libvirt:win11"]
+    restored = sim.cli("restore", "--stranded")
+    assert restored.returncode == 0, restored.stderr
+    state = sim.arbiter().ledger.read()
+    assert state.leases == () and state.poison_of("gpu0") is not None  # the poison stays
+    assert drivers(sim, "0000:0a:00.0", "0000:0a:00.1") == ["nvidia", "snd_hda_intel"]
+    assert running(sim, "container:llm") and running(sim, "systemd:ollama.service")
+    before = (ledger_bytes(sim.state_dir), host_state(sim))
+    assert sim.cli("restore", "--stranded").stdout == "nothing to restore\n"
+    assert (ledger_bytes(sim.state_dir), host_state(sim)) == before
+    refused = sim.cli("acquire", "--shared", "container:x", "gpu0")
+    assert refused.returncode == 3 and "poison clear gpu0" in refused.stderr
