@@ -71,11 +71,11 @@ def _dispatch(guest: str, operation: str, extra: str) -> int:
     if not facts.mentions_gpus:
         return 0
     hook = _Hook(ref, guest)
+    if operation == "release":
+        return hook.release(extra)  # by the ledger alone: the XML's tokens may be gone
     claim = hook.claim(facts)
     if operation == "prepare":
         return hook.prepare(claim) if claim else 0
-    if operation == "release":
-        return hook.release(extra)
     if operation == "reconnect":
         return hook.reconnect(claim)
     return hook.migrate(claim)
