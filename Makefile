@@ -21,6 +21,7 @@ TMPFILESDIR ?= $(PREFIX)/lib/tmpfiles.d
 BASHCOMPDIR ?= $(PREFIX)/share/bash-completion/completions
 ZSHCOMPDIR ?= $(PREFIX)/share/zsh/site-functions
 FISHCOMPDIR ?= $(PREFIX)/share/fish/vendor_completions.d
+DOCDIR ?= $(PREFIX)/share/doc/charly-arbiter
 # Where the libvirt hook goes.  The Debian package installs it under
 # LIBEXECDIR and its postinst copies it here, so `apt remove` can take it away
 # (a conffile would stay behind).
@@ -35,7 +36,7 @@ NAME := charly-arbiter
 CLEAN_PATH := /usr/sbin:/usr/bin:/sbin:/bin
 UNITS := $(wildcard etc/systemd/*.service etc/systemd/*.timer)
 
-.PHONY: all man completions install install-python install-data deb lintian rpm-srpm \
+.PHONY: all man completions install install-python install-data install-docs deb lintian rpm-srpm \
 	rpm-spec-check sources clean
 
 all: man completions
@@ -48,7 +49,8 @@ completions:
 	rm -rf $(BUILDDIR)/completions
 	PYTHONPATH=$(CURDIR) $(PYTHON) packaging/gen-completions.py $(BUILDDIR)/completions >/dev/null
 
-install: install-python install-data
+# The packages ship the documentation their own way (dh_installdocs, %doc).
+install: install-python install-data install-docs
 
 install-python:
 	rm -rf $(BUILDDIR)/wheel
@@ -76,6 +78,10 @@ install-data: man completions
 	install -m 0644 $(BUILDDIR)/completions/$(NAME).bash $(DESTDIR)$(BASHCOMPDIR)/$(NAME)
 	install -m 0644 $(BUILDDIR)/completions/_$(NAME) $(DESTDIR)$(ZSHCOMPDIR)/_$(NAME)
 	install -m 0644 $(BUILDDIR)/completions/$(NAME).fish $(DESTDIR)$(FISHCOMPDIR)/$(NAME).fish
+
+install-docs:
+	install -d -m 0755 $(DESTDIR)$(DOCDIR)
+	install -m 0644 README.md docs/*.md $(DESTDIR)$(DOCDIR)/
 
 # The source tree as git sees it (tracked and new, not ignored files), as a tarball.
 sources:

@@ -60,6 +60,8 @@ def test_installs_with_apt_and_runs_on_debian_libraries(chroot: Chroot, deb: Deb
         .joinpath("charly-arbiter-reconcile.service")
         .is_symlink()
     ), "the reconcile unit is not enabled"
+    metrics_timer = "/etc/systemd/system/timers.target.wants/charly-arbiter-metrics.timer"
+    assert not os.path.lexists(chroot.path(metrics_timer)), "the metrics timer is opt-in"
     # --man=no: the chroot has no man-db (the machine-install test checks the man pages).
     chroot.run("systemd-analyze", "verify", "--man=no", UNIT)
     for path in (
