@@ -65,12 +65,22 @@ class Sysfs:
         self.writer = writer
         self.pci = root / "bus" / "pci"
         self.iommu_groups = root / "kernel" / "iommu_groups"
+        self._checked: dict[str, Path] = {}
 
     def device(self, address: str) -> Path:
-        """`bus/pci/devices/ADDR`, for a strictly valid address that resolves under the root."""
+        """`bus/pci/devices/ADDR`, for a strictly valid address that resolves under the root.
+
+        A device that exists is checked once and remembered: its sysfs link
+        never moves while it exists, and a switch reads it a dozen times.
+        """
+        cached = self._checked.get(address)
+        if cached is not None:
+            return cached
         path = self.pci / "devices" / parse_address(address)
-        if path.exists() and not path.resolve().is_relative_to(self.root.resolve()):
-            raise HostError(f"{address}: {path} resolves outside {self.root}")
+        if path.exists():
+            if not path.resolve().is_relative_to(self.root.resolve()):
+                raise HostError(f"{address}: {path} resolves outside {self.root}")
+            self._checked[address] = path
         return path
 
     def driver(self, name: str) -> Path:
@@ -169,35 +179,34 @@ class Switcher:
         dev_root: Path = DEV_ROOT,
         timeout: float = 15.0,
         load_module: Callable[[str], None] | None = None,
+        bind_wait: float = 5.0,
     ) -> None:
         self.sysfs = sysfs
         self.dev_root = dev_root
         self.timeout = timeout
+        # drivers_probe binds synchronously unless a driver probes asynchronously;
+        # this bounds how long a bind that is not there yet is waited for.
+        self.bind_wait = min(bind_wait, timeout)
         self.load_module = load_module
         self.hung: dict[str, str] = {}  # address -> the step that never returned
 
     def switch(self, targets: Mapping[str, str]) -> list[Step]:
         """Bind each address to its target (a driver, or NO_DRIVER); verify; undo on failure."""
         for address in targets:
-            parse_address(address)
-            if address in self.hung:
-                raise SwitchFailed(
-                    address,
-                    targets[address] or "home",
-                    self.hung[address],
-                    "an earlier write to this device never returned; nothing more is written",
-                )
+            self._refuse_hung(address, targets[address])
         done: list[Step] = []
-        try:
-            for address, target in sorted(targets.items()):
-                step = self.bind(address, target)
-                if step is not None:
-                    done.append(step)
-        except SwitchHung:
-            raise
-        except SwitchFailed:
-            self._undo(done)
-            raise
+        for address, target in sorted(targets.items()):
+            before = self.sysfs.current_driver(address)
+            try:
+                step = self.bind(address, target, before)
+            except SwitchHung:
+                raise  # nothing more is written to a token with a hung device
+            except SwitchFailed:
+                # The failing function may be half-way (unbound): it goes back too.
+                self._undo([*done, Step(address, before, target)])
+                raise
+            if step is not None:
+                done.append(step)
         return done
 
     def _undo(self, done: Sequence[Step]) -> None:
@@ -209,56 +218,83 @@ class Switcher:
             except SwitchFailed as error:
                 log.error("%s: could not undo the switch: %s", step.address, error)
 
-    def bind(self, address: str, target: str) -> Step | None:
-        """Move one function to `target`; None when it is already there."""
-        current = self.sysfs.current_driver(address)
-        override = self.sysfs.attribute(address, "driver_override")
+    def bind(self, address: str, target: str, current: str | None = None) -> Step | None:
+        """Move one function to `target`; None when it is already there.
+
+        `current` is the driver the caller just read (read here when None).
+        """
+        self._refuse_hung(address, target)
+        if current is None:
+            current = self.sysfs.current_driver(address)
         wanted_override = VFIO if target == VFIO else ""
-        if override in ("(null)", "\n"):
-            override = ""
-        if _arrived(current, target) and override == wanted_override:
-            return None
+        if _arrived(current, target):
+            override = self.sysfs.attribute(address, "driver_override")
+            if override in ("", "(null)", wanted_override):
+                return None
         if target == VFIO and not self.sysfs.driver(VFIO).is_dir() and self.load_module:
             self.load_module(VFIO)
         if target == VFIO and not self.sysfs.driver(VFIO).is_dir():
             raise SwitchFailed(
                 address, VFIO, "check driver", "vfio-pci is not loaded (run `modprobe vfio-pci`)"
             )
-        label = target or "its default driver"
         device = self.sysfs.device(address)
-        log.info("%s: %s -> %s", address, current or "(no driver)", label)
-        self._write(
-            address,
-            target,
-            "driver_override",
-            device / "driver_override",
-            (wanted_override or "") + "\n",
+        log.info("%s: %s -> %s", address, current or "(no driver)", target or "its default driver")
+        # Storing the override only copies a string: it cannot block, so no watchdog.
+        self._store(
+            address, target, "driver_override", device / "driver_override", wanted_override + "\n"
         )
-        if current is not None and not _arrived(current, target):
-            self._write(address, target, "unbind", device / "driver" / "unbind", address)
-        if self.sysfs.current_driver(address) is None:
-            self._write(address, target, "drivers_probe", self.sysfs.drivers_probe(), address)
+        self._rebind(
+            address, target, device, unbind=current is not None and not _arrived(current, target)
+        )
         self._verify(address, target)
         return Step(address, current, target)
 
-    def _write(self, address: str, target: str, step: str, path: Path, text: str) -> None:
-        writer = self.sysfs.writer
-        try:
-            run_with_timeout(
-                lambda: writer(path, text), self.timeout, address, target or "home", step
+    def _refuse_hung(self, address: str, target: str) -> None:
+        if parse_address(address) in self.hung:
+            raise SwitchFailed(
+                address,
+                target or "home",
+                self.hung[address],
+                "an earlier write to this device never returned; nothing more is written to it",
             )
-        except SwitchHung:
-            self.hung[address] = step
-            log.error("%s: writing %s did not return within %g s", address, step, self.timeout)
-            raise
+
+    def _store(self, address: str, target: str, step: str, path: Path, text: str) -> None:
+        try:
+            self.sysfs.writer(path, text)
         except OSError as error:
             raise SwitchFailed(
                 address, target or "home", step, error.strerror or str(error)
             ) from None
 
+    def _rebind(self, address: str, target: str, device: Path, unbind: bool) -> None:
+        """Unbind (when bound elsewhere) and probe, under one watchdog.
+
+        Both writes can block inside a driver (remove or probe); one watchdog
+        thread for the pair keeps the step that hung exact and the cost low.
+        """
+        writer = self.sysfs.writer
+        step = ["unbind" if unbind else "drivers_probe"]
+
+        def act() -> None:
+            if unbind:
+                writer(device / "driver" / "unbind", address)
+            step[0] = "drivers_probe"
+            if self.sysfs.current_driver(address) is None:
+                writer(self.sysfs.drivers_probe(), address)
+
+        label = target or "home"
+        try:
+            run_with_timeout(act, self.timeout, address, label, step[0])
+        except SwitchHung:
+            self.hung[address] = step[0]
+            log.error("%s: writing %s did not return within %g s", address, step[0], self.timeout)
+            raise SwitchHung(address, label, step[0], self.timeout) from None
+        except OSError as error:
+            raise SwitchFailed(address, label, step[0], error.strerror or str(error)) from None
+
     def _verify(self, address: str, target: str) -> None:
         """Wait (bounded) for the bind, then check the driver link and, for vfio, the node."""
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.bind_wait
         while True:
             current = self.sysfs.current_driver(address)
             node = self.vfio_node(address) if target == VFIO else None

@@ -1,0 +1,104 @@
+"""The arbiter driving LocalHost over the fake tree: claims, refusals, poison."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from charly_arbiter.arbiter import Arbiter
+from charly_arbiter.errors import ClaimRefused, HostError, SwitchFailed, SwitchHung
+from charly_arbiter.host import TokenSpec
+from charly_arbiter.ledger import Ledger
+from charly_arbiter.model import Mode
+
+GPU = "0000:0a:00.0"
+AUDIO = "0000:0a:00.1"
+
+
+def arbiter_for(host) -> Arbiter:
+    return Arbiter(host.config, host, Ledger(host.config.state_dir, 5))
+
+
+def test_token_functions_and_gpus(make_host):
+    host = make_host()
+    assert [f.address for f in host.token_functions("gpu0", GPU)] == [GPU, AUDIO]
+    assert [g.address for g in host.gpus()] == [GPU, "0000:0b:00.0"]
+    with pytest.raises(HostError, match=r"no PCI device 0000:0e:00\.0"):
+        host.token_functions("gpu9", "0000:0e:00.0")
+
+
+def test_boot_id_comes_from_the_proc_root(make_host, tmp_path):
+    proc = tmp_path / "fakeproc"
+    (proc / "sys/kernel/random").mkdir(parents=True)
+    (proc / "sys/kernel/random/boot_id").write_text("1234-abcd\n")
+    host = make_host()
+    host.proc_root = proc
+    assert host.boot_id() == "1234-abcd"
+    host.proc_root = tmp_path / "none"
+    with pytest.raises(HostError, match="boot id"):
+        host.boot_id()
+
+
+def test_exclusive_claim_and_release_move_the_whole_group(make_host, kernel):
+    host = make_host()
+    arbiter = arbiter_for(host)
+    arbiter.acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    assert kernel.driver_of(GPU) == kernel.driver_of(AUDIO) == "vfio-pci"
+    assert kernel.driver_of("0000:00:01.0") == "pcieport"  # the bridge stays
+    assert (kernel.dev / "vfio/12").exists()
+    arbiter.release_claimant("libvirt:win11")
+    assert (kernel.driver_of(GPU), kernel.driver_of(AUDIO)) == ("nvidia", "snd_hda_intel")
+
+
+def test_a_device_holder_refuses_the_claim_with_its_pid_and_name(make_host, kernel):
+    with open(kernel.dev / "dri" / "card1", "rb") as node:
+        holder = subprocess.Popen(["/bin/sleep", "60"], stdin=node)
+    try:
+        with pytest.raises(ClaimRefused) as refused:
+            arbiter_for(make_host()).acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+        assert f"process:{holder.pid}" in str(refused.value) and "sleep" in str(refused.value)
+        assert kernel.driver_of(GPU) == "nvidia"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_hanging_switch_poisons_the_token_and_the_claim_fails_promptly(make_host, kernel):
+    kernel.hang_unbind.add("nvidia")
+    arbiter = arbiter_for(make_host())  # driver_switch = 1 s
+    started = time.monotonic()
+    with pytest.raises(SwitchHung):
+        arbiter.acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    assert time.monotonic() - started < 5
+    poison = arbiter.ledger.read().poison_of("gpu0")
+    assert poison is not None and "did not return within 1 s" in poison.reason
+    kernel.release.set()
+
+
+def test_switching_a_function_outside_the_token_is_refused(make_host):
+    host = make_host()
+    token = TokenSpec("gpu0", GPU, tuple(host.token_functions("gpu0", GPU)))
+    with pytest.raises(SwitchFailed, match="not a function of gpu0"):
+        host.switch(token, {"0000:0b:00.0": "vfio-pci"})
+
+
+def test_cdi_is_not_regenerated_for_a_gpu_that_is_not_on_nvidia(make_host, kernel, caplog):
+    host = make_host()
+    token = TokenSpec("gpu0", GPU, tuple(host.token_functions("gpu0", GPU)))
+    host.switch(token, {GPU: "vfio-pci", AUDIO: "vfio-pci"})
+    host.regenerate_cdi(token)  # on vfio-pci: nothing to do, and nothing is run
+    assert "nvidia-ctk" not in caplog.text
+
+
+def test_cdi_regeneration_without_nvidia_ctk_logs_and_goes_on(make_host, caplog):
+    from charly_arbiter import run
+
+    if run.which("nvidia-ctk"):
+        pytest.skip("nvidia-ctk is installed here; this test is about its absence")
+    host = make_host()
+    token = TokenSpec("gpu0", GPU, tuple(host.token_functions("gpu0", GPU)))
+    with caplog.at_level("INFO", logger="charly_arbiter.localhost"):
+        host.regenerate_cdi(token)
+    assert "nvidia-ctk is not installed" in caplog.text

@@ -1,0 +1,166 @@
+"""Driver switching on a fake sysfs tree whose writes behave like the kernel's."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from fakesys import FakeKernel
+
+from charly_arbiter.errors import HostError, InvalidAddress, SwitchFailed, SwitchHung
+from charly_arbiter.host import NO_DRIVER
+from charly_arbiter.sysfs import Switcher, Sysfs
+
+GPU = "0000:0a:00.0"
+AUDIO = "0000:0a:00.1"
+HOME = {GPU: "nvidia", AUDIO: "snd_hda_intel"}
+VFIO = {GPU: "vfio-pci", AUDIO: "vfio-pci"}
+
+
+def switcher(kernel: FakeKernel, timeout: float = 1.0) -> Switcher:
+    return Switcher(Sysfs(kernel.sys, kernel.write), kernel.dev, timeout, bind_wait=0.2)
+
+
+def test_group_functions_are_the_gpu_and_its_audio_without_the_bridge(kernel):
+    functions = Sysfs(kernel.sys).group_functions(GPU)
+    assert [(f.address, f.driver, f.iommu_group) for f in functions] == [
+        (GPU, "nvidia", "12"),
+        (AUDIO, "snd_hda_intel", "12"),
+    ]
+    assert functions[0].vendor == "10de" and functions[0].pci_class == "030000"
+
+
+def test_switch_to_vfio_uses_override_unbind_probe_and_creates_the_group_node(kernel):
+    steps = switcher(kernel).switch(VFIO)
+    assert kernel.drivers()[GPU] == "vfio-pci" and kernel.drivers()[AUDIO] == "vfio-pci"
+    assert (kernel.dev / "vfio" / "12").exists()
+    assert [s.from_driver for s in steps] == ["nvidia", "snd_hda_intel"]
+    assert kernel.writes[:3] == [
+        (f"bus/pci/devices/{GPU}/driver_override", "vfio-pci\n"),
+        (f"bus/pci/devices/{GPU}/driver/unbind", GPU),
+        ("bus/pci/drivers_probe", GPU),
+    ]
+
+
+def test_switch_back_clears_the_override_and_reprobes(kernel):
+    switch = switcher(kernel)
+    switch.switch(VFIO)
+    kernel.writes.clear()
+    switch.switch(HOME)
+    assert {a: d for a, d in kernel.drivers().items() if a in HOME} == HOME
+    assert (f"bus/pci/devices/{GPU}/driver_override", "\n") in kernel.writes
+    assert not (kernel.dev / "vfio" / "12").exists()
+    assert (kernel.dev / "dri" / "card1").exists()
+
+
+def test_nothing_is_written_when_the_drivers_are_already_right(kernel):
+    switcher(kernel).switch(HOME)
+    assert kernel.writes == []
+
+
+def test_no_driver_target_lets_the_kernel_choose(kernel):
+    switch = switcher(kernel)
+    switch.switch(VFIO)
+    switch.switch({GPU: NO_DRIVER, AUDIO: NO_DRIVER})
+    assert kernel.driver_of(GPU) == "nvidia"
+
+
+def test_failed_probe_undoes_only_what_was_done_and_names_the_step(kernel):
+    switch = switcher(kernel)
+    switch.switch(VFIO)
+    kernel.unload("snd_hda_intel")  # the audio function will find no driver going home
+    kernel.writes.clear()
+    with pytest.raises(SwitchFailed) as failure:
+        switch.switch(HOME)
+    assert failure.value.address == AUDIO and failure.value.step == "verify"
+    assert "no driver took the device" in str(failure.value)
+    # all or none: the GPU that had gone home went back to vfio-pci, and so did the audio
+    assert kernel.driver_of(GPU) == "vfio-pci" and kernel.driver_of(AUDIO) == "vfio-pci"
+
+
+def test_vfio_not_loaded_fails_before_any_write(kernel):
+    kernel.unload("vfio-pci")
+    with pytest.raises(SwitchFailed, match="vfio-pci is not loaded"):
+        switcher(kernel).switch(VFIO)
+    assert kernel.writes == []
+    assert kernel.driver_of(GPU) == "nvidia"
+
+
+def test_module_loader_is_asked_for_vfio_pci_when_it_is_missing(kernel):
+    kernel.unload("vfio-pci")
+    asked: list[str] = []
+
+    def load(module: str) -> None:
+        asked.append(module)
+        kernel.load(module)
+
+    switch = Switcher(Sysfs(kernel.sys, kernel.write), kernel.dev, 1.0, load_module=load)
+    switch.switch(VFIO)
+    assert asked == ["vfio-pci"] and kernel.driver_of(GPU) == "vfio-pci"
+
+
+def test_hanging_unbind_raises_switch_hung_within_the_timeout_and_writes_nothing_more(kernel):
+    kernel.hang_unbind.add("nvidia")
+    switch = switcher(kernel, timeout=0.3)
+    started = time.monotonic()
+    with pytest.raises(SwitchHung) as hung:
+        switch.switch(VFIO)
+    assert time.monotonic() - started < 2
+    assert hung.value.step == "unbind" and hung.value.address == GPU
+    writes = len(kernel.writes)
+    with pytest.raises(SwitchFailed, match="never returned"):
+        switch.switch(HOME)
+    assert len(kernel.writes) == writes, "a hung device must not be written again"
+    kernel.release.set()  # let the stuck writer thread finish
+
+
+@pytest.mark.parametrize(
+    "address", ["0000:0a:00.0/../x", "../0000:0a:00.0", "0000:0A:00.0", "0000:0a:00.0 ", "a\0b"]
+)
+def test_bad_addresses_never_reach_a_path(kernel, address):
+    with pytest.raises(InvalidAddress):
+        Sysfs(kernel.sys).device(address)
+
+
+def test_ten_thousand_domain_is_accepted(kernel):
+    assert Sysfs(kernel.sys).device("10000:01:00.0").name == "10000:01:00.0"
+
+
+def test_a_device_link_that_leaves_the_root_is_refused(tmp_path, kernel):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (kernel.sys / "bus/pci/devices/0000:0c:00.0").symlink_to(outside)
+    with pytest.raises(HostError, match="outside"):
+        Sysfs(kernel.sys).device("0000:0c:00.0")
+
+
+def test_real_writer_writes_once(tmp_path):
+    from charly_arbiter.sysfs import write_attribute
+
+    target = tmp_path / "attr"
+    target.write_text("")
+    write_attribute(target, "vfio-pci\n")
+    assert target.read_text() == "vfio-pci\n"
+
+
+def test_a_write_error_is_a_switch_failure_naming_the_step(kernel):
+    def failing(path: Path, text: str) -> None:
+        if path.name == "unbind":
+            raise OSError(16, "Device or resource busy")
+        kernel.write(path, text)
+
+    switch = Switcher(Sysfs(kernel.sys, failing), kernel.dev, 1.0)
+    with pytest.raises(SwitchFailed, match="unbind: Device or resource busy"):
+        switch.switch(VFIO)
+    assert kernel.driver_of(GPU) == "nvidia"
+
+
+def test_the_watchdog_thread_is_abandoned_not_joined(kernel):
+    kernel.hang_unbind.add("nvidia")
+    before = threading.active_count()
+    with pytest.raises(SwitchHung):
+        switcher(kernel, timeout=0.2).switch({GPU: "vfio-pci"})
+    assert threading.active_count() == before + 1
+    kernel.release.set()

@@ -1,0 +1,240 @@
+"""Boot a real Debian kernel under QEMU/TCG with this machine's root shared over 9p.
+
+The guest is a q35 machine with an emulated Intel IOMMU and a display-class
+device with a companion function in the same slot (`bochs-display` at 02.0,
+`ich9-intel-hda` at 02.1): the shape of a GPU with its HDMI audio, one IOMMU
+group, bound to `bochs-drm` and `snd_hda_intel`.  A busybox initramfs loads
+the 9p modules, mounts the host's root read-only, a writable results share,
+and runs `run.sh` from that share inside a chroot of the host's root, so the
+code under test is this checkout run by the host's own /usr/bin/python3.
+
+The kernel and busybox come from Debian's archive (`apt-get download`), are
+unpacked once and cached under CACHE (override with
+CHARLY_ARBITER_TEST_CACHE), so later runs boot in seconds.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CACHE = Path(os.environ.get("CHARLY_ARBITER_TEST_CACHE", "/var/cache/charly-arbiter-tests"))
+QEMU = "/usr/bin/qemu-system-x86_64"
+# The modules the initramfs needs to mount a virtio 9p share; their
+# dependencies (and their order) come from the kernel's modules.dep.
+INITRAMFS_MODULES = ("virtio_pci", "9pnet_virtio", "9p")
+# What the guest loads from the unpacked kernel package once the host root is mounted.
+GUEST_MODULES = ("bochs", "snd-hda-intel", "vfio-pci", "vfio_iommu_type1")
+
+INIT = """#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for module in $(cat /modules.order); do
+    insmod /modules/$module || echo "insmod $module failed"
+done
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000 hostroot /mnt || poweroff -f
+mount -t proc proc /mnt/proc
+mount -t sysfs sys /mnt/sys
+mount -t devtmpfs dev /mnt/dev
+mount -t tmpfs tmp /mnt/run
+mount -t tmpfs tmp /mnt/tmp
+mkdir -p /mnt/run/results
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 results /mnt/run/results
+echo "guest: running run.sh"
+chroot /mnt /bin/sh /run/results/run.sh > /mnt/run/results/console.log 2>&1
+echo "guest: run.sh exited $?"
+sync
+poweroff -f
+"""
+
+
+class QemuUnavailable(Exception):
+    """QEMU cannot run on this machine at all (the only reason to skip)."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    version: str
+    root: Path  # the unpacked linux-image package (lib/modules/VERSION, boot/vmlinuz-VERSION)
+    vmlinuz: Path
+    initramfs: Path
+
+
+@dataclass(frozen=True)
+class Boot:
+    seconds: float
+    serial: str
+    returncode: int
+
+
+def _run(argv: list[str], cwd: Path | None = None) -> str:
+    result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {result.returncode}: {result.stderr.strip()}")
+    return result.stdout
+
+
+def check_qemu() -> None:
+    if not os.access(QEMU, os.X_OK):
+        raise QemuUnavailable(f"{QEMU} is not installed (scripts/setup installs qemu-system-x86)")
+    probe = subprocess.run([QEMU, "-version"], capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        raise QemuUnavailable(f"{QEMU} -version failed: {probe.stderr.strip()}")
+
+
+def _newest_kernel_package() -> str | None:
+    """The current bookworm ABI's unsigned amd64 image, as apt knows it."""
+    try:
+        listing = _run(["/usr/bin/apt-cache", "search", "--names-only", "linux-image-6.1.0-"])
+    except (RuntimeError, OSError):
+        return None
+    names = re.findall(r"^(linux-image-6\.1\.0-(\d+)-amd64-unsigned) ", listing, re.M)
+    if not names:
+        return None
+    return max(names, key=lambda item: int(item[1]))[0]
+
+
+def _download(package: str, debs: Path) -> Path:
+    debs.mkdir(parents=True, exist_ok=True)
+    found = sorted(debs.glob(f"{package}_*.deb"))
+    if not found:
+        _run(["/usr/bin/apt-get", "download", "-q", package], cwd=debs)
+        found = sorted(debs.glob(f"{package}_*.deb"))
+    if not found:
+        raise RuntimeError(f"apt-get download {package} left no .deb in {debs}")
+    return found[-1]
+
+
+def prepare_kernel() -> Kernel:
+    """Download (once), unpack (once) and build the initramfs (once) for the newest ABI."""
+    debs = CACHE / "debs"
+    package = _newest_kernel_package()
+    if package is None:  # apt has no lists: use what an earlier run cached
+        cached = sorted(debs.glob("linux-image-6.1.0-*-amd64-unsigned_*.deb"))
+        if not cached:
+            raise RuntimeError("apt-cache knows no linux-image-6.1.0-*-amd64-unsigned package")
+        package = cached[-1].name.split("_")[0]
+    version = package.removeprefix("linux-image-").removesuffix("-unsigned")
+    root = CACHE / f"root-{version}"
+    if not (root / "lib" / "modules" / version / "modules.dep").exists():
+        deb = _download(package, debs)
+        staging = CACHE / f"root-{version}.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        _run(["/usr/bin/dpkg-deb", "-x", str(deb), str(staging)])
+        _run(["/usr/sbin/depmod", "-b", str(staging), version])
+        shutil.rmtree(root, ignore_errors=True)
+        staging.rename(root)
+    initramfs = CACHE / f"initramfs-{version}.cpio.gz"
+    if not initramfs.exists():
+        _build_initramfs(root, version, _download("busybox-static", debs), initramfs)
+    return Kernel(version, root, root / "boot" / f"vmlinuz-{version}", initramfs)
+
+
+def _module_order(modules_dir: Path, wanted: tuple[str, ...]) -> list[str]:
+    """Module paths (relative to modules_dir) for `wanted` and their deps, deps first."""
+    deps: dict[str, list[str]] = {}
+    for line in (modules_dir / "modules.dep").read_text().splitlines():
+        path, _, needs = line.partition(":")
+        deps[path] = needs.split()
+    by_name = {Path(path).name.removesuffix(".ko"): path for path in deps}
+    order: list[str] = []
+
+    def visit(path: str) -> None:
+        if path in order:
+            return
+        for dep in reversed(deps[path]):
+            visit(dep)
+        order.append(path)
+
+    for name in wanted:
+        visit(by_name[name])
+    return order
+
+
+def _build_initramfs(root: Path, version: str, busybox_deb: Path, target: Path) -> None:
+    modules_dir = root / "lib" / "modules" / version
+    work = CACHE / "initramfs.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    for name in ("bin", "proc", "sys", "dev", "mnt", "modules"):
+        (work / name).mkdir(parents=True)
+    unpacked = CACHE / "busybox.partial"
+    shutil.rmtree(unpacked, ignore_errors=True)
+    _run(["/usr/bin/dpkg-deb", "-x", str(busybox_deb), str(unpacked)])
+    shutil.copy2(unpacked / "bin" / "busybox", work / "bin" / "busybox")
+    shutil.rmtree(unpacked)
+    order = _module_order(modules_dir, INITRAMFS_MODULES)
+    for path in order:
+        shutil.copy2(modules_dir / path, work / "modules" / Path(path).name)
+    (work / "modules.order").write_text("\n".join(Path(p).name for p in order) + "\n")
+    (work / "init").write_text(INIT)
+    (work / "init").chmod(0o755)
+    files = sorted(str(p.relative_to(work)) for p in work.rglob("*"))
+    packed = subprocess.run(
+        ["/usr/bin/cpio", "-o", "-H", "newc", "--quiet"],
+        cwd=work,
+        input="\n".join(files).encode(),
+        capture_output=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    partial = target.with_suffix(".partial")
+    partial.write_bytes(gzip.compress(packed, compresslevel=1))
+    partial.rename(target)
+    shutil.rmtree(work)
+
+
+def boot(kernel: Kernel, results: Path, script: str, timeout: float = 300) -> Boot:
+    """Run `script` (sh) inside the guest with `results` mounted at /run/results.
+
+    Returns when the guest powers off; what the script wrote is in `results`.
+    """
+    results.mkdir(parents=True, exist_ok=True)
+    (results / "run.sh").write_text(script)
+    argv = [
+        QEMU,
+        "-accel",
+        "tcg",
+        "-m",
+        "1024",
+        "-smp",
+        "1",
+        "-machine",
+        "q35,kernel-irqchip=split",
+        "-device",
+        "intel-iommu,intremap=on,caching-mode=on",
+        # The GPU-shaped pair first, so the 9p devices do not take slot 2.
+        "-device",
+        "bochs-display,addr=02.0,multifunction=on",
+        "-device",
+        "ich9-intel-hda,addr=02.1",
+        "-nographic",
+        "-nodefaults",
+        "-no-reboot",
+        "-serial",
+        "stdio",
+        "-kernel",
+        str(kernel.vmlinuz),
+        "-initrd",
+        str(kernel.initramfs),
+        "-append",
+        "console=ttyS0 intel_iommu=on iommu=pt quiet panic=-1 rdinit=/init",
+        "-virtfs",
+        "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
+        "-virtfs",
+        f"local,path={results},mount_tag=results,security_model=none,multidevs=remap",
+    ]
+    started = time.monotonic()
+    completed = subprocess.run(
+        argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout
+    )
+    return Boot(
+        time.monotonic() - started, completed.stdout + completed.stderr, completed.returncode
+    )
