@@ -41,6 +41,7 @@ class LocalHost:
         writer: Writer = default_writer,
         cdi_spec: Path = CDI_SPEC,
         registry: HolderRegistry | None = None,
+        isolate_writes: bool = True,
     ) -> None:
         self.config = config
         self.description = "local" if sys_root == SYS_ROOT else f"local (sysfs at {sys_root})"
@@ -49,7 +50,11 @@ class LocalHost:
         self.dev_root = dev_root
         self.cdi_spec = cdi_spec
         self.switcher = Switcher(
-            self.sysfs, dev_root, config.timeouts.driver_switch, load_module=_modprobe
+            self.sysfs,
+            dev_root,
+            config.timeouts.driver_switch,
+            load_module=_modprobe,
+            isolate=isolate_writes,
         )
         self.processes = ProcessHolders(config, self.sysfs, proc_root, dev_root)
         other_kinds = tuple(kind for kind in SOURCES if kind != ProcessHolders.kind)

@@ -37,7 +37,7 @@ def make_config(tmp_path: Path, **changes: object) -> Config:
 def make_host(tmp_path: Path, kernel: FakeKernel) -> Callable[..., LocalHost]:
     """A LocalHost over the fake tree, with the real /proc (holders are real processes)."""
 
-    def make(**changes: object) -> LocalHost:
+    def make(isolate_writes: bool = False, **changes: object) -> LocalHost:
         config = make_config(tmp_path, **changes)
         return LocalHost(
             config,
@@ -45,6 +45,7 @@ def make_host(tmp_path: Path, kernel: FakeKernel) -> Callable[..., LocalHost]:
             dev_root=kernel.dev,
             writer=kernel.write,
             registry=HolderRegistry(config, kinds=()),
+            isolate_writes=isolate_writes,
         )
 
     return make

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -164,3 +165,44 @@ def test_the_watchdog_thread_is_abandoned_not_joined(kernel):
         switcher(kernel, timeout=0.2).switch({GPU: "vfio-pci"})
     assert threading.active_count() == before + 1
     kernel.release.set()
+
+
+def test_in_child_writes_in_another_process_and_reports_its_errno(tmp_path):
+    from charly_arbiter.sysfs import in_child
+
+    parent = os.getpid()
+
+    def record(path: Path, text: str) -> None:
+        path.write_text(f"{text} from {os.getpid()}")
+
+    target = tmp_path / "attr"
+    in_child(record)(target, "x")
+    written, _, pid = target.read_text().partition(" from ")
+    assert written == "x" and int(pid) != parent
+
+    def busy(path: Path, text: str) -> None:
+        raise OSError(16, "Device or resource busy")
+
+    with pytest.raises(OSError) as error:
+        in_child(busy)(target, "x")
+    assert error.value.errno == 16 and "busy" in str(error.value)
+
+
+def test_an_isolated_hanging_write_strands_only_the_child(kernel, tmp_path):
+    """The parent gets SwitchHung on time while the child sleeps in the "kernel"."""
+    marker = tmp_path / "child-pid"
+
+    def stuck(path: Path, text: str) -> None:
+        if path.name == "unbind":
+            marker.write_text(str(os.getpid()))
+            time.sleep(30)
+        kernel.write(path, text)
+
+    switch = Switcher(Sysfs(kernel.sys, stuck), kernel.dev, 0.5, isolate=True)
+    started = time.monotonic()
+    with pytest.raises(SwitchHung):
+        switch.switch({GPU: "vfio-pci"})
+    assert time.monotonic() - started < 5
+    child = int(marker.read_text())
+    assert child != os.getpid()
+    os.kill(child, 9)
