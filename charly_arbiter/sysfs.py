@@ -318,6 +318,8 @@ class Switcher:
             if unbind:
                 writer(device / "driver" / "unbind", address)
             step[0] = "drivers_probe"
+            if address in self.hung:
+                return  # the unbind came back after the watchdog gave up: leave it be
             if self.sysfs.current_driver(address) is None:
                 writer(self.sysfs.drivers_probe(), address)
 

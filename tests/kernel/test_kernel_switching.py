@@ -151,6 +151,9 @@ def test_a_hanging_unbind_is_given_up_on_and_poisons_the_token(guest):
     assert hung["drivers_while_hung"][AUDIO] == "vfio-pci"
     assert hung["drivers_after_vm_exit"] == {GPU: None, AUDIO: "vfio-pci"}
     assert "did not return within 3 s" in hung["cli_stderr"]
+    # The write was made by a child process: the CLI itself exits while the VM
+    # still holds the device (a stuck thread would have kept it until then).
+    assert hung["cli_exited_while_vm_held_device"], hung["cli_finished_after"]
     assert "poison gpu" in hung["doctor"]["stdout"] and hung["doctor"]["rc"] == 1
 
 
