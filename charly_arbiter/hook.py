@@ -13,7 +13,6 @@ once.  The guest name is untrusted: it only ever becomes `libvirt:NAME`.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -22,11 +21,12 @@ if TYPE_CHECKING:
     from charly_arbiter.config import Config
     from charly_arbiter.domainxml import DomainClaim
 
-log = logging.getLogger("charly_arbiter.hook")
-
 HANDLED = {"prepare": "begin", "release": "end", "reconnect": "begin", "migrate": "begin"}
 ALWAYS_SUCCEED = ("release", "reconnect")
 MAX_STDIN = 1 << 20
+# Without one of these bytes the XML cannot claim (domainxml.might_claim, without
+# importing it: the fast path stays at the cost of starting Python).
+CLAIM_MARKERS = (b"hostdev", b"https://charly-arbiter.org/xmlns/claim/1")
 DETACHED = "finish-release"
 USAGE = "usage: charly-arbiter hook qemu GUEST OPERATION SUB-OPERATION EXTRA"
 
@@ -50,16 +50,16 @@ def main(argv: list[str]) -> int:
         if isinstance(error, ArbiterError):
             _say(str(error), error.hint)
         else:
-            log.debug("hook failed", exc_info=True)
+            import logging
+
+            logging.getLogger("charly_arbiter.hook").debug("hook failed", exc_info=True)
             _say(f"internal error in the {operation} hook for {guest!r}: {error!r}", None)
         return 0 if operation in ALWAYS_SUCCEED else 1
 
 
 def _dispatch(guest: str, operation: str, extra: str) -> int:
     xml = _read_stdin()
-    from charly_arbiter.domainxml import might_claim
-
-    if not might_claim(xml):
+    if not any(marker in xml for marker in CLAIM_MARKERS):
         return 0  # the fast path: no hostdev, no claim element
     from charly_arbiter.domainxml import parse_domain
     from charly_arbiter.logsetup import log_setup
@@ -85,9 +85,12 @@ class _Hook:
     """The slow path: a domain whose XML may claim a GPU."""
 
     def __init__(self, ref: str, guest: str) -> None:
+        import logging
+
         from charly_arbiter.config import load_config
         from charly_arbiter.holders.libvirt import ENV_HOOK_GUEST
 
+        self.log = logging.getLogger("charly_arbiter.hook")
         self.ref = ref
         self.guest = guest
         # The libvirt holder source never touches (or enumerates past) this domain.
@@ -132,7 +135,7 @@ class _Hook:
             self.ref, claim.mode, list(claim.tokens), transient=claim.transient, policy=policy
         )
         stopped = ", ".join(step.holder for step in plan.stops)
-        log.info(
+        self.log.info(
             "%s holds %s (%s)%s",
             self.ref,
             ", ".join(plan.tokens),
@@ -168,7 +171,7 @@ class _Hook:
         reason = "" if reason == "-" else reason
         lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
         nested = self.nested()
-        log.info(
+        self.log.info(
             "%s stopped (%s)%s",
             self.ref,
             reason or "no reason given",
@@ -190,11 +193,11 @@ class _Hook:
 
         lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
         if lease is not None:
-            log.info(
+            self.log.info(
                 "%s runs on after a libvirtd restart; its %s lease stays", self.ref, lease.mode
             )
         elif claim is not None:
-            log.warning(
+            self.log.warning(
                 "%s runs with %s but holds no lease; run `charly-arbiter acquire --%s %s %s`",
                 self.ref,
                 ", ".join(claim.tokens),
@@ -315,6 +318,8 @@ def _stdout_to_stderr() -> None:
 
 
 def _log_to_file(config: Config) -> None:
+    import logging
+
     if config.hook_log is None:
         return
     handler = logging.FileHandler(config.hook_log)

@@ -42,5 +42,14 @@ def test_no_claim_path_imports_nothing_heavy(operation: list[str]) -> None:
     assert result.stdout == b""
     heavy = {m for m in modules if m.split(".")[0] in HEAVY}
     assert heavy == set(), heavy
-    assert "charly_arbiter.config" not in modules
-    assert "charly_arbiter.ledger" not in modules
+    for module in ("charly_arbiter.config", "charly_arbiter.ledger", "charly_arbiter.domainxml"):
+        assert module not in modules
+    assert "logging" not in modules
+
+
+def test_fast_path_markers_match_the_claim_rules() -> None:
+    from charly_arbiter.domainxml import NAMESPACE, might_claim
+    from charly_arbiter.hook import CLAIM_MARKERS
+
+    assert set(CLAIM_MARKERS) == {b"hostdev", NAMESPACE.encode()}
+    assert not might_claim(PLAIN)
