@@ -91,15 +91,25 @@ def check_qemu() -> None:
 
 
 def _newest_kernel_package() -> str | None:
-    """The current bookworm ABI's unsigned amd64 image, as apt knows it."""
-    try:
-        listing = _run(["/usr/bin/apt-cache", "search", "--names-only", "linux-image-6.1.0-"])
-    except (RuntimeError, OSError):
-        return None
-    names = re.findall(r"^(linux-image-6\.1\.0-(\d+)-amd64-unsigned) ", listing, re.M)
-    if not names:
-        return None
-    return max(names, key=lambda item: int(item[1]))[0]
+    """The current bookworm ABI's unsigned amd64 image, as apt knows it.
+
+    A machine whose package lists were cleaned (container images) knows none:
+    the lists are fetched once then.
+    """
+    for attempt in range(2):
+        try:
+            listing = _run(["/usr/bin/apt-cache", "search", "--names-only", "linux-image-6.1.0-"])
+        except (RuntimeError, OSError):
+            listing = ""
+        names = re.findall(r"^(linux-image-6\.1\.0-(\d+)-amd64-unsigned) ", listing, re.M)
+        if names:
+            return max(names, key=lambda item: int(item[1]))[0]
+        if attempt == 0 and not list((CACHE / "debs").glob("linux-image-*.deb")):
+            try:
+                _run(["/usr/bin/apt-get", "update", "-qq"])
+            except (RuntimeError, OSError):
+                return None
+    return None
 
 
 def _download(package: str, debs: Path) -> Path:
