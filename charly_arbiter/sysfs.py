@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from charly_arbiter.childwrite import ChildWriter
 from charly_arbiter.errors import HostError, SwitchFailed, SwitchHung
 from charly_arbiter.host import NO_DRIVER, PciFunction
 from charly_arbiter.model import VFIO
@@ -39,7 +40,7 @@ DEV_ROOT = Path("/dev")
 BRIDGE_CLASS = "0604"
 _POLL = 0.005
 
-Writer = Callable[[Path, str], None]
+Writer = Callable[[Path, str], None]  # the same shape as childwrite.Writer
 
 
 def write_attribute(path: Path, text: str) -> None:
@@ -49,42 +50,6 @@ def write_attribute(path: Path, text: str) -> None:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
-
-
-def in_child(writer: Writer) -> Writer:
-    """Make each write happen in a forked child process.
-
-    A write stuck in the kernel (nvidia's remove waiting for its last user,
-    vfio-pci's for the VM to let go) cannot be interrupted, and a process
-    cannot exit while one of its threads is stuck: the CLI, or a libvirt hook
-    whose pipes libvirt waits on, would stay until the kernel lets go.  A child
-    that does the write is the only one stranded.  It keeps nothing open but the
-    attribute (stdio goes to /dev/null, the ledger lock is closed), and reports
-    the write's errno as its exit status.
-    """
-
-    def write(path: Path, text: str) -> None:
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child's coverage is not collected
-            code = 0
-            try:
-                null = os.open(os.devnull, os.O_RDWR)
-                for fd in (0, 1, 2):
-                    os.dup2(null, fd)
-                os.closerange(3, os.sysconf("SC_OPEN_MAX"))
-                writer(path, text)
-            except OSError as error:
-                code = error.errno or 1
-            except BaseException:
-                code = 255
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        code = os.waitstatus_to_exitcode(status)
-        if code != 0:
-            raise OSError(code, os.strerror(code) if 0 < code < 255 else f"exit status {code}")
-
-    return write
 
 
 def _check_driver_name(name: str) -> str:
@@ -227,7 +192,7 @@ class Switcher:
         self.load_module = load_module
         self.hung: dict[str, str] = {}  # address -> the step that never returned
         # unbind and drivers_probe can block in a driver; `isolate` runs them in a child.
-        self.blocking_writer = in_child(sysfs.writer) if isolate else sysfs.writer
+        self.blocking_writer = ChildWriter(sysfs.writer) if isolate else sysfs.writer
 
     def switch(self, targets: Mapping[str, str]) -> list[Step]:
         """Bind each address to its target (a driver, or NO_DRIVER); verify; undo on failure."""

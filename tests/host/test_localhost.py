@@ -102,3 +102,15 @@ def test_cdi_regeneration_without_nvidia_ctk_logs_and_goes_on(make_host, caplog)
     with caplog.at_level("INFO", logger="charly_arbiter.localhost"):
         host.regenerate_cdi(token)
     assert "nvidia-ctk is not installed" in caplog.text
+
+
+def test_the_default_isolated_writes_switch_the_fake_tree_too(make_host, kernel):
+    """LocalHost's default: unbind and probe are written by a helper process."""
+    host = make_host(isolate_writes=True)
+    arbiter = arbiter_for(host)
+    arbiter.acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    assert kernel.driver_of(GPU) == kernel.driver_of(AUDIO) == "vfio-pci"
+    arbiter.release_claimant("libvirt:win11")
+    assert (kernel.driver_of(GPU), kernel.driver_of(AUDIO)) == ("nvidia", "snd_hda_intel")
+    unbinds = [w for w in kernel.writes if w[0].endswith("unbind")]
+    assert unbinds == [], "unbind is written by the helper, not by this process"

@@ -167,25 +167,41 @@ def test_the_watchdog_thread_is_abandoned_not_joined(kernel):
     kernel.release.set()
 
 
-def test_in_child_writes_in_another_process_and_reports_its_errno(tmp_path):
-    from charly_arbiter.sysfs import in_child
-
-    parent = os.getpid()
+def test_child_writer_writes_in_one_reused_helper_and_reports_its_errno(tmp_path):
+    from charly_arbiter.childwrite import ChildWriter
 
     def record(path: Path, text: str) -> None:
+        if text == "busy":
+            raise OSError(16, "Device or resource busy")
         path.write_text(f"{text} from {os.getpid()}")
 
-    target = tmp_path / "attr"
-    in_child(record)(target, "x")
-    written, _, pid = target.read_text().partition(" from ")
-    assert written == "x" and int(pid) != parent
-
-    def busy(path: Path, text: str) -> None:
-        raise OSError(16, "Device or resource busy")
-
+    writer = ChildWriter(record)
+    writer(tmp_path / "first", "x")
+    writer(tmp_path / "second", "y")
+    first = (tmp_path / "first").read_text().split(" from ")
+    second = (tmp_path / "second").read_text().split(" from ")
+    assert first[0] == "x" and second[0] == "y"
+    assert first[1] == second[1] != str(os.getpid())  # one helper, not this process
     with pytest.raises(OSError) as error:
-        in_child(busy)(target, "x")
+        writer(tmp_path / "third", "busy")
     assert error.value.errno == 16 and "busy" in str(error.value)
+    writer(tmp_path / "fourth", "z")  # a failed write does not lose the helper
+    assert (tmp_path / "fourth").read_text().split(" from ")[1] == first[1]
+
+
+def test_a_dead_helper_is_reported_and_replaced(tmp_path):
+    from charly_arbiter.childwrite import ChildWriter
+
+    def record(path: Path, text: str) -> None:
+        if text == "die":
+            os._exit(3)
+        path.write_text(str(os.getpid()))
+
+    writer = ChildWriter(record)
+    with pytest.raises(OSError, match="writer process died"):
+        writer(tmp_path / "a", "die")
+    writer(tmp_path / "b", "ok")
+    assert (tmp_path / "b").read_text() != str(os.getpid())
 
 
 def test_an_isolated_hanging_write_strands_only_the_child(kernel, tmp_path):
@@ -205,6 +221,9 @@ def test_an_isolated_hanging_write_strands_only_the_child(kernel, tmp_path):
     assert time.monotonic() - started < 5
     child = int(marker.read_text())
     assert child != os.getpid()
+    # the next write, to another device, gets a fresh helper and goes through
+    switch.switch({"0000:0b:00.0": "vfio-pci"})
+    assert kernel.driver_of("0000:0b:00.0") == "vfio-pci"
     os.kill(child, 9)
 
 

@@ -1,0 +1,126 @@
+"""Sysfs writes that can block forever, done by a helper process instead of by us.
+
+A write stuck in the kernel (nvidia's remove waiting for its last user,
+vfio-pci's waiting for the VM to let go) cannot be interrupted, and a process
+cannot finish exiting while one of its threads is stuck in one: the CLI, or a
+libvirt hook whose pipes libvirt reads to the end, would stay until the kernel
+lets go.  Seen on a real kernel.  So the writes go to a helper forked from this
+process: when one hangs, only the helper is stranded; the watchdog gives up on
+it and this process exits normally.
+
+The helper is forked once and reused (a fork per write costs more than the
+write itself on slow machines); one that is still busy is never reused, so
+after a hang the next write gets a fresh helper.  The helper keeps nothing
+open but its two pipes (stdio goes to /dev/null, the ledger lock is closed),
+and answers each request with the write's errno.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import NoReturn
+
+Writer = Callable[[Path, str], None]
+_HEADER = struct.Struct("=i")
+
+
+def _read_exactly(fd: int, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _serve(writer: Writer, requests: int, replies: int) -> NoReturn:  # pragma: no cover
+    """The helper's whole life (coverage is not collected in a forked child)."""
+    code = 0
+    try:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        low, high = sorted((requests, replies))
+        os.closerange(3, low)
+        os.closerange(low + 1, high)
+        os.closerange(high + 1, os.sysconf("SC_OPEN_MAX"))
+        while True:
+            header = _read_exactly(requests, _HEADER.size)
+            if len(header) < _HEADER.size:
+                break  # the arbiter has exited
+            payload = _read_exactly(requests, _HEADER.unpack(header)[0])
+            path, _, text = payload.decode().partition("\0")
+            try:
+                writer(Path(path), text)
+                result = 0
+            except OSError as error:
+                result = error.errno or errno.EIO
+            os.write(replies, _HEADER.pack(result))
+    except BaseException:
+        code = 255
+    finally:
+        os._exit(code)
+
+
+class _Helper:
+    def __init__(self, writer: Writer) -> None:
+        request_read, self.requests = os.pipe()
+        self.replies, reply_write = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover
+            _serve(writer, request_read, reply_write)
+        os.close(request_read)
+        os.close(reply_write)
+
+    def write(self, path: Path, text: str) -> bool:
+        """Have the helper write; False when it died (it is not used again)."""
+        payload = f"{path}\0{text}".encode()
+        try:
+            os.write(self.requests, _HEADER.pack(len(payload)) + payload)
+        except BrokenPipeError:
+            return False
+        reply = _read_exactly(self.replies, _HEADER.size)
+        if len(reply) < _HEADER.size:
+            return False
+        result = _HEADER.unpack(reply)[0]
+        if result:
+            raise OSError(result, os.strerror(result))
+        return True
+
+    def close(self) -> None:
+        os.close(self.requests)
+        os.close(self.replies)
+
+
+class ChildWriter:
+    """A `Writer` whose writes are made by helper processes."""
+
+    def __init__(self, writer: Writer) -> None:
+        self.writer = writer
+        self._idle: list[_Helper] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, path: Path, text: str) -> None:
+        with self._lock:
+            helper = self._idle.pop() if self._idle else _Helper(self.writer)
+        alive = False
+        try:
+            alive = helper.write(path, text)
+        except OSError:
+            alive = True  # the write failed; the helper is fine
+            raise
+        finally:
+            if alive:
+                with self._lock:
+                    self._idle.append(helper)
+            else:
+                helper.close()
+                os.waitpid(helper.pid, os.WNOHANG)
+        if not alive:
+            raise OSError(errno.EIO, "the writer process died")
