@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import sysconfig
+from pathlib import Path
 
 from installer import install
 from installer.destinations import SchemeDictionaryDestination
@@ -41,7 +42,7 @@ def main(wheel: str, destdir: str, prefix: str, bindir: str) -> None:
     destination = SchemeDictionaryDestination(
         scheme, sys.executable, "posix", destdir=destdir or None
     )
-    with WheelFile.open(wheel) as source:
+    with WheelFile.open(Path(wheel)) as source:
         install(source, destination, {"INSTALLER": b"charly-arbiter Makefile"})
     print(f"installed {wheel} into {destdir}{library}, the program into {destdir}{bindir}")
 

@@ -62,3 +62,16 @@ def chroot(tmp_path: Path) -> Iterator[Chroot]:
                 run(["umount", "-l", str(target)], check=False)
         if not any(os.path.ismount(target) for target in mounted):
             shutil.rmtree(root, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the installed-package libvirt test first in a run that includes tests/libvirt.
+
+    tests/libvirt's session fixture holds /tmp/charly-libvirt.lock and a
+    running libvirtd until the very end of the pytest session; the
+    installed-package test needs both free, so it must come before.
+    """
+    first = [
+        i for i in items if i.get_closest_marker("package") and i.get_closest_marker("libvirt")
+    ]
+    items[:] = first + [item for item in items if item not in first]
