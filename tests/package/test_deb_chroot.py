@@ -52,6 +52,11 @@ def test_installs_with_apt_and_runs_on_debian_libraries(chroot: Chroot, deb: Deb
     json.loads(json_text)  # stderr lines come first in the combined output, JSON last
 
     assert _is_executable_regular_file(chroot, HOOK), f"{HOOK} is not an executable regular file"
+    # As libvirt runs it for a VM with no GPU claim: domain XML on stdin, nothing on stdout.
+    domain = "<domain type='kvm'><name>plain</name><devices/></domain>"
+    (chroot.path("/tmp/plain.xml")).write_text(domain)
+    hook = chroot.run("/bin/sh", "-c", f"{HOOK} plain prepare begin - < /tmp/plain.xml")
+    assert hook.stdout == "", hook.stdout
     assert (chroot.path(STATE_DIR).stat().st_mode & 0o777) == 0o700
     conffiles = chroot.path("/var/lib/dpkg/info/charly-arbiter.conffiles").read_text().split()
     assert conffiles == [CONFIG]
@@ -98,6 +103,7 @@ def test_purge_keeps_the_ledger_while_a_lease_is_active(chroot: Chroot, deb: Deb
     assert chroot.path(f"{STATE_DIR}/ledger.toml").is_file(), "purge deleted an active lease"
     assert f"keeping {STATE_DIR}" in output, output
     assert "1 active lease" in output, output
+    assert "holds active leases" in output, "prerm must warn that leases stay active"
     assert not os.path.lexists(chroot.path(HOOK))
     assert not chroot.path(CONFIG).exists(), "purge must remove the configuration"
 
