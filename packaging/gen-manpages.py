@@ -43,6 +43,18 @@ ENVIRONMENT = [
 ]
 
 
+OVERVIEW = [
+    "A token is a GPU together with every function of its IOMMU group. A claimant "
+    "(KIND:NAME, e.g. libvirt:win11, container:llm, systemd:ollama.service) claims tokens "
+    "exclusively (the GPU moves to vfio-pci for passthrough) or shared (the GPU stays on its "
+    "home driver, refcounted). A claim stops the holders that must make room, switches the "
+    "drivers of the whole group, and records every step in the lease ledger first, so that "
+    "release, or restore after a crash or a reboot, brings the host back as it was.",
+    "Deciding is separate from acting: plan shows what a claim would do, explain says why a "
+    "token or claimant is in its state, status lists leases and tokens, doctor checks the host.",
+]
+
+
 def roff(text: str) -> str:
     """Escape text for roff: backslashes, hyphens, and lines that start with a control char."""
     text = text.replace("\\", "\\e").replace("-", "\\-")
@@ -96,6 +108,9 @@ def command_page(ctx: click.Context, path: list[str], date: str, see_also: list[
     lines.append(".SH DESCRIPTION")
     for paragraph in paragraphs(command.help or summary):
         lines += [".PP", paragraph]
+    if len(path) == 1:
+        for paragraph in OVERVIEW:
+            lines += [".PP", roff(paragraph)]
     arguments = [p for p in command.get_params(ctx) if isinstance(p, click.Argument)]
     if arguments:
         lines.append(".SH ARGUMENTS")
