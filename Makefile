@@ -82,6 +82,8 @@ install-data: man completions
 install-docs:
 	install -d -m 0755 $(DESTDIR)$(DOCDIR)
 	install -m 0644 README.md docs/*.md $(DESTDIR)$(DOCDIR)/
+	install -d -m 0755 $(DESTDIR)$(DOCDIR)/examples
+	install -m 0644 etc/charly-arbiter/domain-metadata.xml $(DESTDIR)$(DOCDIR)/examples/
 
 # The source tree as git sees it (tracked and new, not ignored files), as a tarball.
 sources:
