@@ -124,3 +124,11 @@ class ChildWriter:
                 os.waitpid(helper.pid, os.WNOHANG)
         if not alive:
             raise OSError(errno.EIO, "the writer process died")
+
+    def close(self) -> None:
+        """End the idle helpers (a busy one is stuck in the kernel and is left alone)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for helper in idle:
+            helper.close()  # EOF on its requests: it exits
+            os.waitpid(helper.pid, 0)

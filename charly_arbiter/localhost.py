@@ -143,6 +143,7 @@ class LocalHost:
 
     def close(self) -> None:
         self.nvml.close()
+        self.switcher.close()
 
 
 def _modprobe(module: str) -> None:

@@ -213,6 +213,10 @@ class Switcher:
                 done.append(step)
         return done
 
+    def close(self) -> None:
+        if isinstance(self.blocking_writer, ChildWriter):
+            self.blocking_writer.close()
+
     def _undo(self, done: Sequence[Step]) -> None:
         for step in reversed(done):
             back = step.from_driver or NO_DRIVER

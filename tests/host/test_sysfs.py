@@ -187,6 +187,10 @@ def test_child_writer_writes_in_one_reused_helper_and_reports_its_errno(tmp_path
     assert error.value.errno == 16 and "busy" in str(error.value)
     writer(tmp_path / "fourth", "z")  # a failed write does not lose the helper
     assert (tmp_path / "fourth").read_text().split(" from ")[1] == first[1]
+    writer.close()
+    helper = int(first[1])
+    with pytest.raises(ChildProcessError):
+        os.waitpid(helper, os.WNOHANG)  # ended and reaped
 
 
 def test_a_dead_helper_is_reported_and_replaced(tmp_path):
