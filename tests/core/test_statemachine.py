@@ -18,10 +18,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import pytest
 from coretools import ALL_PREEMPTIBLE, HOLDER_REFS, HOME, ledger_bytes
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
 
 from charly_arbiter import crashpoints
 from charly_arbiter.arbiter import Arbiter
@@ -269,10 +275,20 @@ class ArbiterMachine(RuleBasedStateMachine):
             assert all(lease.state is LeaseState.ACTIVE for lease in self.ledger.read().leases)
 
 
-ArbiterMachine.TestCase.settings = settings(
-    max_examples=int(os.environ.get("CHARLY_TEST_EXAMPLES", "60")),
-    stateful_step_count=25,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-)
-TestArbiterMachine = ArbiterMachine.TestCase
+def machine_settings(examples: int) -> settings:
+    return settings(
+        max_examples=int(os.environ.get("CHARLY_TEST_EXAMPLES", examples)),
+        stateful_step_count=25,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+def test_state_machine():
+    run_state_machine_as_test(ArbiterMachine, settings=machine_settings(20))
+
+
+@pytest.mark.slow
+def test_state_machine_long():
+    """The same machine, long enough to reach rarer crash and hand-over orders."""
+    run_state_machine_as_test(ArbiterMachine, settings=machine_settings(400))
