@@ -15,13 +15,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from charly_arbiter import run
+from charly_arbiter.childwrite import Writer
 from charly_arbiter.config import Config
 from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed
 from charly_arbiter.holders import SOURCES, HolderRegistry, HolderSource
 from charly_arbiter.holders.process import ProcessHolders
 from charly_arbiter.host import Holder, PciFunction, TokenSpec
 from charly_arbiter.nvml import Nvml
-from charly_arbiter.sysfs import DEV_ROOT, PROC_ROOT, SYS_ROOT, Switcher, Sysfs, Writer
+from charly_arbiter.sysfs import DEV_ROOT, PROC_ROOT, SYS_ROOT, Switcher, Sysfs
 from charly_arbiter.sysfs import write_attribute as default_writer
 
 log = logging.getLogger(__name__)

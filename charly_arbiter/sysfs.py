@@ -11,9 +11,11 @@ all or none: a failure undoes only the functions this call changed.
 
 Every write that can block in the kernel (unbinding `nvidia` while anything
 holds the GPU; unbinding `vfio-pci` while a VM has the device open) runs under
-`watchdog.run_with_timeout`.  A write that hangs marks its device hung: no
-more writes go to it from this process, no undo is attempted on the token,
-and the caller gets `SwitchHung` at once, for the arbiter to poison the token.
+`watchdog.run_with_timeout`, and with `isolate` it is made by a helper process
+(`childwrite`), so that a write stuck in the kernel strands the helper, not the
+caller's process.  A write that hangs marks its device hung: no more writes go
+to it from this process, no undo is attempted on the token, and the caller gets
+`SwitchHung` at once, for the arbiter to poison the token.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from charly_arbiter.childwrite import ChildWriter
+from charly_arbiter.childwrite import ChildWriter, Writer
 from charly_arbiter.errors import HostError, SwitchFailed, SwitchHung
 from charly_arbiter.host import NO_DRIVER, PciFunction
 from charly_arbiter.model import VFIO
@@ -39,8 +41,6 @@ PROC_ROOT = Path("/proc")
 DEV_ROOT = Path("/dev")
 BRIDGE_CLASS = "0604"
 _POLL = 0.005
-
-Writer = Callable[[Path, str], None]  # the same shape as childwrite.Writer
 
 
 def write_attribute(path: Path, text: str) -> None:
