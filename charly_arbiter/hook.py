@@ -50,9 +50,10 @@ def main(argv: list[str]) -> int:
         if isinstance(error, ArbiterError):
             _say(str(error), error.hint)
         else:
-            import logging
+            if os.environ.get("CHARLY_ARBITER_DEBUG"):
+                import traceback
 
-            logging.getLogger("charly_arbiter.hook").debug("hook failed", exc_info=True)
+                traceback.print_exc()
             _say(f"internal error in the {operation} hook for {guest!r}: {error!r}", None)
         return 0 if operation in ALWAYS_SUCCEED else 1
 
@@ -71,14 +72,17 @@ def _dispatch(guest: str, operation: str, extra: str) -> int:
     if not facts.mentions_gpus:
         return 0
     hook = _Hook(ref, guest)
-    if operation == "release":
-        return hook.release(extra)  # by the ledger alone: the XML's tokens may be gone
-    claim = hook.claim(facts)
-    if operation == "prepare":
-        return hook.prepare(claim) if claim else 0
-    if operation == "reconnect":
-        return hook.reconnect(claim)
-    return hook.migrate(claim)
+    try:
+        if operation == "release":
+            return hook.release(extra)  # by the ledger alone: the XML's tokens may be gone
+        claim = hook.claim(facts)
+        if operation == "prepare":
+            return hook.prepare(claim) if claim else 0
+        if operation == "reconnect":
+            return hook.reconnect(claim)
+        return hook.migrate(claim)
+    finally:
+        hook.close()
 
 
 class _Hook:
@@ -110,6 +114,10 @@ class _Hook:
             ledger = Ledger(config.state_dir, config.timeouts.lock_wait)
             self._arbiter = Arbiter(config, open_host(config), ledger, events_for(config))
         return self._arbiter
+
+    def close(self) -> None:
+        if self._arbiter is not None:
+            self._arbiter.host.close()
 
     def claim(self, facts: Any) -> DomainClaim | None:
         from charly_arbiter.domainxml import mdev_parent, resolve_claim

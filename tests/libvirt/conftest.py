@@ -98,7 +98,7 @@ hook_log = "{hook_log}"
 
 [timeouts]
 lock_wait = 20
-holder_stop = 3
+holder_stop = 1.5
 holder_start = 30
 driver_switch = 5
 libvirt_call = 20
