@@ -102,7 +102,11 @@ class SimEnv:
         return env
 
     def cli(
-        self, *args: str, check: bool = False, env: dict[str, str] | None = None, timeout: float = 60
+        self,
+        *args: str,
+        check: bool = False,
+        env: dict[str, str] | None = None,
+        timeout: float = 60,
     ) -> subprocess.CompletedProcess[str]:
         """Run the real `charly-arbiter` CLI as its own process."""
         result = subprocess.run(
