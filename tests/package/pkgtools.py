@@ -69,6 +69,7 @@ def flocked(path: Path, timeout: float = 900) -> Iterator[None]:
                 if time.monotonic() > deadline:
                     pytest.fail(f"{path} stayed locked for {timeout:.0f} s")
                 time.sleep(1)
+        log(f"holding {path} (waited {timeout - (deadline - time.monotonic()):.0f} s for it)")
         try:
             yield
         finally:
