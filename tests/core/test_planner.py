@@ -218,3 +218,74 @@ def test_a_releasing_lease_stops_blocking_a_token_once_it_went_home():
     assert not blocks_token(releasing, "gpu0")
     assert blocks_token(releasing, "gpu1")
     assert not blocks_token(releasing, "gpu2")
+
+
+EXISTING = {
+    "none": (),
+    "shared": (lease("container:s", Mode.SHARED),),
+    "two-shared": (lease("container:s", Mode.SHARED), lease("container:t", Mode.SHARED)),
+    "shared-acquiring": (lease("container:s", Mode.SHARED, state=LeaseState.ACQUIRING),),
+    "exclusive": (lease("libvirt:x", Mode.EXCLUSIVE),),
+    "exclusive-acquiring": (lease("libvirt:x", Mode.EXCLUSIVE, state=LeaseState.ACQUIRING),),
+    "exclusive-gone-home": (
+        lease("libvirt:x", Mode.EXCLUSIVE, state=LeaseState.RELEASING).with_switch(
+            "gpu0", StepState.DONE
+        ),
+    ),
+}
+HOLDER_KINDS = {
+    "none": (),
+    "preemptible-running": (LLM,),
+    "preemptible-stopped": (Holder("container:llm", ("gpu0",), True, False),),
+    "fixed-running": (Holder("systemd:gdm.service", ("gpu0",), False, True),),
+    "fixed-stopped": (Holder("systemd:gdm.service", ("gpu0",), False, False),),
+}
+DRIVERS = {"home": ("nvidia", "snd_hda_intel"), "vfio": (VFIO, VFIO), "mixed": (VFIO, None)}
+
+
+@pytest.mark.parametrize("existing", sorted(EXISTING))
+@pytest.mark.parametrize("holders", sorted(HOLDER_KINDS))
+@pytest.mark.parametrize("drivers", sorted(DRIVERS))
+@pytest.mark.parametrize("mode", list(Mode))
+def test_every_state_pair_obeys_the_rules(existing, holders, drivers, mode):
+    """Exhaustive over (existing lease, holder, drivers, requested mode)."""
+    state = EMPTY.with_home("gpu0", {GPU0: "nvidia", AUDIO0: "snd_hda_intel"})
+    for item in EXISTING[existing]:
+        state = state.with_lease(item)
+    spec = token(drivers=DRIVERS[drivers])
+    blocking = [item for item in state.leases if blocks_token(item, "gpu0")]
+    try:
+        plan = decide_claim(state, "libvirt:me", mode, [spec], HOLDER_KINDS[holders], NONE)
+    except ClaimRefused as refused:
+        assert refused.exit_code == 3 and refused.claimant == "libvirt:me"
+        assert (
+            any(item.mode is Mode.EXCLUSIVE for item in blocking)
+            or (mode is Mode.EXCLUSIVE and holders == "fixed-running")
+            or (mode is Mode.EXCLUSIVE and any(i.state is not LeaseState.ACTIVE for i in blocking))
+        ), (existing, holders, drivers, mode, refused)
+        return
+    # Never alongside an exclusive lease that still holds the token.
+    assert not any(item.mode is Mode.EXCLUSIVE for item in blocking)
+    stopped = {step.holder for step in plan.stops}
+    if mode is Mode.EXCLUSIVE:
+        # Every running holder and every shared claimant makes room...
+        assert all(h.ref in stopped for h in HOLDER_KINDS[holders] if h.running)
+        assert set(plan.preempted_leases) == {item.claimant for item in blocking}
+        # ...and every function not yet on vfio-pci goes there.
+        assert {s.address for s in plan.switches} == {
+            f.address for f in spec.functions if f.driver != VFIO
+        }
+        assert all(s.to_driver == VFIO for s in plan.switches)
+    elif blocking:
+        # A later shared claim only counts.
+        assert plan.stops == () and plan.switches == () and plan.cdi_tokens == ()
+    else:
+        # The first shared claim brings every function home and stops
+        # preemptible holders, never a fixed one.
+        assert {s.address for s in plan.switches} == {
+            f.address
+            for f in spec.functions
+            if f.driver != {GPU0: "nvidia", AUDIO0: "snd_hda_intel"}[f.address]
+        }
+        assert stopped == {h.ref for h in HOLDER_KINDS[holders] if h.running and h.preemptible}
+        assert plan.cdi_tokens == ("gpu0",)
