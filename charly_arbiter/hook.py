@@ -72,17 +72,22 @@ def _dispatch(guest: str, operation: str, extra: str) -> int:
     if not facts.mentions_gpus:
         return 0
     hook = _Hook(ref, guest)
-    try:
-        if operation == "release":
-            return hook.release(extra)  # by the ledger alone: the XML's tokens may be gone
-        claim = hook.claim(facts)
-        if operation == "prepare":
-            return hook.prepare(claim) if claim else 0
-        if operation == "reconnect":
-            return hook.reconnect(claim)
-        return hook.migrate(claim)
-    finally:
-        hook.close()
+    from charly_arbiter.holders.libvirt import HOOK_DIR, marked
+
+    # libvirt holds this domain locked until we exit: other arbiter processes
+    # (a nested hook, a parallel start) must not wait on it meanwhile.
+    with marked(hook.config.state_dir, HOOK_DIR, ref):
+        try:
+            if operation == "release":
+                return hook.release(extra)  # by the ledger alone: its tokens may be gone
+            claim = hook.claim(facts)
+            if operation == "prepare":
+                return hook.prepare(claim) if claim else 0
+            if operation == "reconnect":
+                return hook.reconnect(claim)
+            return hook.migrate(claim)
+        finally:
+            hook.close()
 
 
 class _Hook:

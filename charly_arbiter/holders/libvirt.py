@@ -13,6 +13,9 @@ the evidence from a real libvirtd):
 - Depth one: before stopping or starting a domain, a marker under the state
   directory says so, and that domain's own hook (run by libvirtd while we
   wait) sees it and never preempts or starts anything itself.
+- A domain whose own hook is running (a marker the hook writes) is locked by
+  libvirt: it is never looked up, stopped or started meanwhile, and counts as
+  alive.  Without this, a nested or parallel hook waits on it until timeout.
 
 libvirt-python is imported on first use, never by the hook's fast path.
 """
@@ -38,7 +41,8 @@ log = logging.getLogger(__name__)
 
 KIND = "libvirt"
 ENV_HOOK_GUEST = "CHARLY_ARBITER_HOOK_GUEST"  # set by the hook: the domain it is about
-ACTING_DIR = "libvirt-acting"
+ACTING_DIR = "libvirt-acting"  # domains this arbiter is stopping or starting
+HOOK_DIR = "libvirt-hooks"  # domains whose own hook runs now
 DEFAULT_SYSFS = Path("/sys")
 DEFAULT_PROC = Path("/proc")
 POLL_SECONDS = 0.2
@@ -85,8 +89,9 @@ class LibvirtHolders:
 
     def is_running(self, ref: str) -> bool:
         name = _name(ref)
-        if name == self.subject:
-            return True  # the hook's own domain is starting or stopping: alive for us
+        if name == self.subject or in_hook(self.config.state_dir, ref):
+            # Starting or stopping, and locked by libvirt while its hook runs: alive for us.
+            return True
         try:
             domain = self._lookup(name)
         except HostError as error:
@@ -141,14 +146,8 @@ class LibvirtHolders:
     @contextlib.contextmanager
     def acting(self, ref: str) -> Iterator[None]:
         """Mark `ref` as being stopped or started by this process, for its own hook."""
-        directory = self.config.state_dir / ACTING_DIR
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        marker = directory / _marker_name(ref)
-        marker.write_text(str(os.getpid()))
-        try:
+        with marked(self.config.state_dir, ACTING_DIR, ref):
             yield
-        finally:
-            marker.unlink(missing_ok=True)
 
     # -- discovery -------------------------------------------------------------------
 
@@ -168,7 +167,13 @@ class LibvirtHolders:
         refs = [lease.claimant for lease in leases]
         refs += [record.holder for lease in leases for record in lease.stopped]
         names.update(ref.partition(":")[2] for ref in refs if ref.startswith(f"{KIND}:"))
-        return sorted(name for name in names if name and name != self.subject)
+        return sorted(
+            name
+            for name in names
+            if name
+            and name != self.subject
+            and not in_hook(self.config.state_dir, f"{KIND}:{name}")
+        )
 
     def _holder(
         self, name: str, domain: Any, owner: dict[str, str], names: set[str]
@@ -275,6 +280,8 @@ class LibvirtHolders:
     def _refuse_subject(self, ref: str, action: str) -> None:
         if _name(ref) == self.subject:
             raise HolderError(ref, action, "it is the domain this hook runs for")
+        if in_hook(self.config.state_dir, ref):
+            raise HolderError(ref, action, "its own libvirt hook is running; try again")
 
     def _qemu_process_alive(self, name: str) -> bool:
         """Whether a QEMU process runs for `name` (`-name guest=NAME,...` on its command line)."""
@@ -308,7 +315,29 @@ def _guest_option(argument: bytes) -> str | None:
 
 def is_acting(state_dir: Path, ref: str) -> bool:
     """Whether a live arbiter process is stopping or starting `ref` right now."""
-    marker = state_dir / ACTING_DIR / _marker_name(ref)
+    return _marked_by_live_process(state_dir / ACTING_DIR / _marker_name(ref))
+
+
+def in_hook(state_dir: Path, ref: str) -> bool:
+    """Whether `ref`'s own hook is running now (libvirt holds that domain locked)."""
+    return _marked_by_live_process(state_dir / HOOK_DIR / _marker_name(ref))
+
+
+@contextlib.contextmanager
+def marked(state_dir: Path, kind: str, ref: str) -> Iterator[None]:
+    """A file naming this process, for as long as the block runs (see is_acting, in_hook)."""
+    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory = state_dir / kind
+    directory.mkdir(mode=0o700, exist_ok=True)
+    marker = directory / _marker_name(ref)
+    marker.write_text(str(os.getpid()))
+    try:
+        yield
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def _marked_by_live_process(marker: Path) -> bool:
     try:
         pid = int(marker.read_text().strip() or "0")
     except (OSError, ValueError):

@@ -98,7 +98,7 @@ hook_log = "{hook_log}"
 
 [timeouts]
 lock_wait = 20
-holder_stop = 1.5
+holder_stop = 5
 holder_start = 30
 driver_switch = 5
 libvirt_call = 20
@@ -184,7 +184,8 @@ class Libvirt:
         path = self.sim_dir / "state.json"
         return json.loads(path.read_text()) if path.exists() else {}
 
-    def set_preemption(self, policy: str) -> None:
+    def set_preemption(self, policy: str, extra: str = "") -> None:
+        """Write the configuration the hook reads; `extra` is appended (e.g. [[holders]])."""
         self.config_path.write_text(
             CONFIG.format(
                 sim=self.sim_dir,
@@ -193,6 +194,7 @@ class Libvirt:
                 preemption=policy,
                 hook_log=self.hook_log,
             )
+            + extra
         )
 
     # -- domains ---------------------------------------------------------------------

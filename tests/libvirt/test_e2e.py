@@ -18,7 +18,9 @@ from tests.libvirt.conftest import Libvirt, claim
 
 pytestmark = [pytest.mark.slow, pytest.mark.libvirt]
 
-SHARED_HOLDER = claim("shared", ("gpu0",), preemptible="yes")
+# Destroyed when preempted (fast); scenario 1 uses the default, shutdown then destroy.
+SHARED_HOLDER = claim("shared", ("gpu0",), preemptible="yes", stop="destroy")
+SHUTDOWN_HOLDER = claim("shared", ("gpu0",), preemptible="yes")
 EXCLUSIVE = claim("exclusive", ("gpu0",))
 
 
@@ -35,7 +37,7 @@ def test_domain_without_claim_starts_and_stops_with_nothing_in_the_ledger(lv: Li
 
 def test_exclusive_claimant_preempts_shared_holder_and_brings_it_back(lv: Libvirt) -> None:
     """Scenario 1: the holder is shut down (then destroyed after holder_stop) and restarted."""
-    holder = lv.define("holder", SHARED_HOLDER)
+    holder = lv.define("holder", SHUTDOWN_HOLDER)
     vm = lv.define("vm", EXCLUSIVE)
     lv.virsh("start", holder)
     assert lv.leases()[f"libvirt:{holder}"]["mode"] == "shared"
@@ -403,3 +405,42 @@ def test_claim_set_with_virsh_metadata_is_read(lv: Libvirt) -> None:
     assert (lease["mode"], lease["tokens"]) == ("shared", ["gpu1"])
     lv.virsh("destroy", vm)
     assert lv.leases() == {}
+
+
+def managed_save(lv: Libvirt, name: str) -> str:
+    info = lv.virsh("dominfo", name).stdout
+    return info.split("Managed save:")[1].splitlines()[0].strip()
+
+
+def test_managedsave_holder_is_saved_and_restored_from_its_image(lv: Libvirt) -> None:
+    """A holder whose claim says stop="managedsave": saved, not shut down, and resumed."""
+    holder = lv.define("saved", claim("shared", ("gpu0",), preemptible="yes", stop="managedsave"))
+    vm = lv.define("vm", EXCLUSIVE)
+    lv.virsh("start", holder)
+    lv.virsh("start", vm)
+    assert lv.running() == {vm}
+    assert managed_save(lv, holder) == "yes"
+    lv.virsh("destroy", vm)
+    lv.wait_for("the holder to run again", lambda: lv.running() == {holder})
+    # libvirt reports the domain running a moment before it removes the image
+    lv.wait_for("the managed save image to go", lambda: managed_save(lv, holder) == "no")
+    lv.wait_for("its shared lease", lambda: list(lv.leases()) == [f"libvirt:{holder}"])
+
+
+def test_vm_listed_in_the_configuration_is_a_holder_without_metadata(lv: Libvirt) -> None:
+    """[[holders]] kind = "libvirt": a VM that uses the GPU without claiming it (no lease)."""
+    plain = lv.define("listed")
+    lv.set_preemption(
+        "stop",
+        f'\n[[holders]]\nkind = "libvirt"\nname = "{plain}"\ntokens = ["gpu0"]\n'
+        "preemptible = true\n",
+    )
+    vm = lv.define("vm", EXCLUSIVE)
+    lv.virsh("start", plain)
+    assert lv.leases() == {}
+    lv.virsh("start", vm)
+    assert lv.running() == {vm}
+    assert lv.leases()[f"libvirt:{vm}"]["stopped"] == [f"libvirt:{plain}"]
+    lv.virsh("destroy", vm)
+    lv.wait_for("the listed VM to run again", lambda: lv.running() == {plain})
+    lv.wait_for("no lease", lambda: lv.leases() == {})

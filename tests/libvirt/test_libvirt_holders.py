@@ -129,3 +129,23 @@ def test_with_libvirtd_unreachable_liveness_comes_from_qemu_processes(
     source = LibvirtHolders(down, environ={}, proc_root=proc)
     assert source.is_running("libvirt:win,11")
     assert not source.is_running("libvirt:win")
+
+
+def test_a_domain_whose_hook_runs_is_never_looked_up(config: Config) -> None:
+    """libvirt locks a domain while its hook runs: others take it as alive and leave it be."""
+    from charly_arbiter.holders.libvirt import HOOK_DIR, in_hook, marked
+
+    with Ledger(config.state_dir).transaction() as txn:
+        txn.state = txn.state.with_lease(
+            Lease("libvirt:holder", Mode.SHARED, ("gpu0",), LeaseState.ACTIVE, False, "b", "t")
+        )
+    source = LibvirtHolders(config, environ={ENV_HOOK_GUEST: "passthrough"})
+    with marked(config.state_dir, HOOK_DIR, "libvirt:listed"):
+        assert in_hook(config.state_dir, "libvirt:listed")
+        source.stop("libvirt:holder")  # not in a hook: stopped
+        assert source.is_running("libvirt:listed")
+        assert {h.ref for h in source.holders([GPU0])} == {"libvirt:holder"}
+        with pytest.raises(HolderError, match="own libvirt hook is running"):
+            source.stop("libvirt:listed")
+    assert not in_hook(config.state_dir, "libvirt:listed")
+    assert {h.ref for h in source.holders([GPU0])} == {"libvirt:holder", "libvirt:listed"}
