@@ -156,8 +156,19 @@ class LibvirtHolders:
         if self.subject is None:
             connection = self._connect()
             domains = self._call(f"{KIND}:*", "list domains", connection.listAllDomains)
-            return [str(domain.name()) for domain in domains]
-        names = set(self.configured)
+            names = {str(domain.name()) for domain in domains}
+        else:
+            names = set(self.configured) | self._ledger_names()
+        return sorted(
+            name
+            for name in names
+            if name
+            and name != self.subject
+            and not in_hook(self.config.state_dir, f"{KIND}:{name}")
+        )
+
+    def _ledger_names(self) -> set[str]:
+        """The libvirt domains the ledger names: claimants and the holders they stopped."""
         from charly_arbiter.ledger import Ledger
 
         try:
@@ -166,14 +177,7 @@ class LibvirtHolders:
             leases = ()  # the arbiter reports it on its own path
         refs = [lease.claimant for lease in leases]
         refs += [record.holder for lease in leases for record in lease.stopped]
-        names.update(ref.partition(":")[2] for ref in refs if ref.startswith(f"{KIND}:"))
-        return sorted(
-            name
-            for name in names
-            if name
-            and name != self.subject
-            and not in_hook(self.config.state_dir, f"{KIND}:{name}")
-        )
+        return {ref.partition(":")[2] for ref in refs if ref.startswith(f"{KIND}:")}
 
     def _holder(
         self, name: str, domain: Any, owner: dict[str, str], names: set[str]
