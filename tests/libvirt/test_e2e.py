@@ -444,3 +444,28 @@ def test_vm_listed_in_the_configuration_is_a_holder_without_metadata(lv: Libvirt
     lv.virsh("destroy", vm)
     lv.wait_for("the listed VM to run again", lambda: lv.running() == {plain})
     lv.wait_for("no lease", lambda: lv.leases() == {})
+
+
+def test_release_records_the_shut_off_reason_of_newer_libvirt(lv: Libvirt) -> None:
+    """libvirt >= 10.5 passes a reason to `release`; a stranded lease keeps it as its note."""
+    vm = lv.define("reason", EXCLUSIVE)
+    xml = lv.virsh("dumpxml", vm).stdout.encode()
+    prepared = lv.hook("qemu", vm, "prepare", "begin", "-", stdin=xml)
+    assert prepared.returncode == 0, prepared.stderr
+    (lv.sim_dir / "host.toml").write_text(
+        (lv.sim_dir / "host.toml")
+        .read_text()
+        .replace('address = "0000:0a:00.0"', 'address = "0000:0a:00.0"\nfail_switch = true', 1)
+    )
+    try:
+        released = lv.hook("qemu", vm, "release", "end", "crashed", stdin=xml)
+    finally:
+        (lv.sim_dir / "host.toml").write_text(
+            (lv.sim_dir / "host.toml").read_text().replace("\nfail_switch = true", "")
+        )
+    assert released.returncode == 0 and released.stdout == b""
+    assert (f"libvirt:{vm}", "stopped (crashed)") in [
+        (m.split(" ", 1)[0], m.split(" ", 1)[1]) for _, m in lv.hook_log_lines() if " " in m
+    ]
+    assert 'note = "crashed"' in lv.ledger_text()
+    assert lv.status()["tokens"]["gpu0"]["poisoned"]
