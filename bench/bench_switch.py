@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests" / "kernel"))
 
-from guest import boot, check_qemu, prepare_kernel  # noqa: E402
+from guest import boot, check_qemu, prepare_kernel, repo_mount_script  # noqa: E402
 
 
 def main() -> int:
@@ -36,11 +36,12 @@ def main() -> int:
         results = Path(directory)
         script = (
             "export PATH=/usr/sbin:/usr/bin:/sbin:/bin PYTHONDONTWRITEBYTECODE=1 HOME=/tmp\n"
-            f"export PYTHONPATH={REPO}\n"
+            + repo_mount_script(REPO)
+            + f"export PYTHONPATH={REPO}\n"
             f"/usr/bin/python3 {REPO}/tests/kernel/scenario.py {kernel.root} bench "
             f"{args.cycles} {args.block}\n"
         )
-        booted = boot(kernel, results, script, timeout=1800)
+        booted = boot(kernel, results, script, timeout=1800, repo=REPO)
         path = results / "results.json"
         if not path.exists():
             print(booted.serial[-3000:], file=sys.stderr)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import time
@@ -54,6 +55,17 @@ echo "guest: run.sh exited $?"
 sync
 poweroff -f
 """
+
+
+def repo_mount_script(repo: Path) -> str:
+    """Guest shell lines that make `repo` visible at its host path (see `boot`)."""
+    path = shlex.quote(str(repo))
+    return (
+        f"if [ ! -d {path}/charly_arbiter ]; then\n"
+        f"    mkdir -p {path} && mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000"
+        f" repo {path} || echo 'guest: cannot mount the checkout' >&2\n"
+        "fi\n"
+    )
 
 
 class QemuUnavailable(Exception):
@@ -201,9 +213,14 @@ def _build_initramfs(root: Path, version: str, busybox_deb: Path, target: Path) 
     shutil.rmtree(work)
 
 
-def boot(kernel: Kernel, results: Path, script: str, timeout: float = 300) -> Boot:
+def boot(
+    kernel: Kernel, results: Path, script: str, timeout: float = 300, repo: Path | None = None
+) -> Boot:
     """Run `script` (sh) inside the guest with `results` mounted at /run/results.
 
+    `repo`, when given, is shared read-only with the tag `repo`: the guest's
+    /tmp is a tmpfs, so a checkout under the host's /tmp (as CI's may be) is
+    hidden there, and `repo_mount_script` mounts it back at the same path.
     Returns when the guest powers off; what the script wrote is in `results`.
     """
     results.mkdir(parents=True, exist_ok=True)
@@ -241,6 +258,11 @@ def boot(kernel: Kernel, results: Path, script: str, timeout: float = 300) -> Bo
         "-virtfs",
         f"local,path={results},mount_tag=results,security_model=none,multidevs=remap",
     ]
+    if repo is not None:
+        argv += [
+            "-virtfs",
+            f"local,path={repo},mount_tag=repo,security_model=none,readonly=on,multidevs=remap",
+        ]
     started = time.monotonic()
     completed = subprocess.run(
         argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from guest import Kernel, QemuUnavailable, boot, check_qemu, prepare_kernel
+from guest import Kernel, QemuUnavailable, boot, check_qemu, prepare_kernel, repo_mount_script
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel]
 
@@ -32,7 +32,8 @@ BENCH_CYCLES = 10
 def guest_script(kernel: Kernel, *args: str) -> str:
     return (
         "export PATH=/usr/sbin:/usr/bin:/sbin:/bin PYTHONDONTWRITEBYTECODE=1 HOME=/tmp\n"
-        f"export PYTHONPATH={REPO}\n"
+        + repo_mount_script(REPO)
+        + f"export PYTHONPATH={REPO}\n"
         f"/usr/bin/python3 {REPO}/tests/kernel/scenario.py {kernel.root} {' '.join(args)}\n"
     )
 
@@ -43,7 +44,7 @@ def run_guest(directory: Path, *args: str) -> dict[str, Any]:
     except QemuUnavailable as why:
         pytest.skip(f"QEMU CANNOT RUN HERE, the real-kernel tests are SKIPPED: {why}")
     kernel = prepare_kernel()
-    booted = boot(kernel, directory, guest_script(kernel, *args), timeout=900)
+    booted = boot(kernel, directory, guest_script(kernel, *args), timeout=900, repo=REPO)
     results = directory / "results.json"
     console = (
         (directory / "console.log").read_text() if (directory / "console.log").exists() else ""
