@@ -173,11 +173,13 @@ class Arbiter:
         claimant = str(Claimant.parse(claimant))
         tokens = self._resolve_fresh(token_names)
         by_name = {token.name: token for token in tokens}
-        holders = self.host.holders(tokens)  # outside the lock: this may ask libvirt
+        # Outside the lock: these may ask libvirt, whose hooks call back in here.
+        holders = self.host.holders(tokens)
         boot_id = self.host.boot_id()
+        alive = self._liveness(self.ledger.inspect().state, boot_id)
         with self.ledger.transaction() as txn:
             try:
-                stranded = self._stranded_unlocked(txn.state, boot_id)
+                stranded = self._stranded_unlocked(txn.state, boot_id, alive)
                 plan = decide_claim(
                     txn.state,
                     claimant,
@@ -563,6 +565,10 @@ class Arbiter:
             log.info("%s: starting %s again", claimant, record.holder)
             self.events.emit("starting", claimant=claimant, holder=record.holder)
             self.host.start(record.holder)
+            if not self.host.is_running(record.holder):
+                log.warning(
+                    "%s: %s cannot be started again (a terminated process)", claimant, record.holder
+                )
         self.events.emit("restored", claimant=claimant, holder=record.holder)
         if record.shared_tokens and self.host.is_running(record.holder):
             self._reinstate_shared_lease(record)
@@ -610,7 +616,25 @@ class Arbiter:
     def stranded_claimants(self, state: LedgerState) -> frozenset[str]:
         return self._stranded_unlocked(state, self.host.boot_id())
 
-    def _stranded_unlocked(self, state: LedgerState, boot_id: str) -> frozenset[str]:
+    def _liveness(self, state: LedgerState | None, boot_id: str) -> dict[str, bool]:
+        """Whether each active lease's claimant runs, asked before taking the lock."""
+        if state is None:
+            return {}
+        return {
+            lease.claimant: self.host.is_running(lease.claimant)
+            for lease in state.leases
+            if lease.state is LeaseState.ACTIVE and lease.boot_id == boot_id
+        }
+
+    def _stranded_unlocked(
+        self, state: LedgerState, boot_id: str, alive: dict[str, bool] | None = None
+    ) -> frozenset[str]:
+        """Leases from an earlier boot, of a dead writer, or of a claimant gone.
+
+        With `alive` (asked before the lock), a claimant it does not know — a
+        lease written meanwhile — counts as running: the lock is never held
+        across a question to libvirt.
+        """
         stranded = set()
         for lease in state.leases:
             if lease.boot_id != boot_id:
@@ -618,7 +642,12 @@ class Arbiter:
             elif lease.state is not LeaseState.ACTIVE:
                 if not _pid_alive(lease.owner_pid):
                     stranded.add(lease.claimant)
-            elif not self.host.is_running(lease.claimant) and not self._young(lease):
+            elif self._young(lease):
+                continue
+            elif alive is not None:
+                if not alive.get(lease.claimant, True):
+                    stranded.add(lease.claimant)
+            elif not self.host.is_running(lease.claimant):
                 stranded.add(lease.claimant)
         return frozenset(stranded)
 

@@ -10,9 +10,7 @@ a traceback only with `-v`.
 
 from __future__ import annotations
 
-import importlib
 import sys
-from pathlib import Path
 from typing import Any, NoReturn
 
 COMMANDS = {
@@ -44,8 +42,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
 
 def load(spec: str) -> Any:
+    import importlib
+
     module, _, name = spec.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
-__all__ = ["COMMANDS", "Path", "load", "main"]
+__all__ = ["COMMANDS", "load", "main"]

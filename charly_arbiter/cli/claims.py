@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
+from charly_arbiter.arbiter import Arbiter
 from charly_arbiter.cli.app import App
+from charly_arbiter.errors import ArbiterError
 from charly_arbiter.model import Mode
 
 
@@ -36,10 +38,12 @@ def acquire(app: App, mode: str | None, transient: bool, claimant: str, tokens: 
 @click.pass_obj
 def release(app: App, failed: bool, claimant: str) -> None:
     """Release CLAIMANT's lease; the last lease on a GPU sends it home."""
-    if app.arbiter().release_claimant(claimant, success=not failed):
-        click.echo(f"released {claimant}")
-    else:
+    arbiter = app.arbiter()
+    if not arbiter.release_claimant(claimant, success=not failed):
         click.echo(f"{claimant} holds no lease")
+        return
+    _left_behind(arbiter, [claimant])
+    click.echo(f"released {claimant}")
 
 
 @click.command()
@@ -51,6 +55,22 @@ def restore(app: App, stranded: bool, dry_run: bool, claimants: tuple[str]) -> N
     """Bring the host back: restore what leases stopped, send GPUs home, drop the leases."""
     if stranded and claimants:
         raise click.UsageError("give either --stranded or claimant names, not both")
-    done = app.arbiter().restore(list(claimants) or None, dry_run=dry_run)
+    arbiter = app.arbiter()
+    done = arbiter.restore(list(claimants) or None, dry_run=dry_run)
+    if not dry_run:
+        _left_behind(arbiter, done)
     verb = "would restore" if dry_run else "restored"
     click.echo(f"{verb} {', '.join(done)}" if done else "nothing to restore")
+
+
+def _left_behind(arbiter: Arbiter, claimants: list[str]) -> None:
+    """Fail when a release could not finish (a GPU that did not go home, a holder
+    that did not start): its lease stays for `restore`, and the operator must know."""
+    state = arbiter.ledger.read()
+    left = [claimant for claimant in claimants if state.lease_of(claimant) is not None]
+    if left:
+        raise ArbiterError(
+            f"{', '.join(left)}: not everything came back (see the messages above); "
+            "the lease is kept",
+            hint=f"fix the cause, then run `charly-arbiter restore {' '.join(left)}`",
+        )
