@@ -15,21 +15,19 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from datetime import UTC, datetime
 
 from charly_arbiter.config import Config
 from charly_arbiter.crashpoints import crashpoint
 from charly_arbiter.errors import (
     ArbiterError,
-    LeaseInProgress,
     SwitchFailed,
     UnknownToken,
 )
-from charly_arbiter.events import Events
+from charly_arbiter.events import Events, drivers_label
 from charly_arbiter.host import Host, PciFunction, TokenSpec
 from charly_arbiter.ledger import Ledger
+from charly_arbiter.liveness import claimant_liveness, stranded_claimants
 from charly_arbiter.model import (
-    VFIO,
     Claimant,
     Lease,
     LeaseState,
@@ -38,6 +36,7 @@ from charly_arbiter.model import (
     Poison,
     StepState,
     StoppedHolder,
+    now,
 )
 from charly_arbiter.planner import (
     NO_POLICY,
@@ -45,14 +44,10 @@ from charly_arbiter.planner import (
     Policy,
     blocks_token,
     decide_claim,
-    home_map,
 )
+from charly_arbiter.releasing import Releaser
 
 log = logging.getLogger(__name__)
-
-
-def now() -> str:
-    return datetime.now(UTC).astimezone().isoformat(timespec="seconds")
 
 
 @dataclass(frozen=True)
@@ -119,7 +114,7 @@ class Arbiter:
         """Like `resolve`, with each function's driver as bound right now (the
         cached specs keep the drivers seen when they were first built)."""
         return [
-            replace(spec, functions=tuple(self._fresh_functions(spec)))
+            replace(spec, functions=tuple(self.fresh_functions(spec)))
             for spec in self.resolve(names)
         ]
 
@@ -176,7 +171,7 @@ class Arbiter:
         # Outside the lock: these may ask libvirt, whose hooks call back in here.
         holders = self.host.holders(tokens)
         boot_id = self.host.boot_id()
-        alive = self._liveness(self.ledger.inspect().state, boot_id)
+        alive = claimant_liveness(self.host, self.ledger.inspect().state, boot_id)
         with self.ledger.transaction() as txn:
             try:
                 stranded = self._stranded_unlocked(txn.state, boot_id, alive)
@@ -214,10 +209,10 @@ class Arbiter:
             self.events.emit(
                 "failed", claimant=claimant, token=",".join(plan.tokens), why=str(error)
             )
-            self._finish_release(claimant, success=False, reason=str(error))
+            Releaser(self).finish(claimant, success=False, reason=str(error))
             raise
         for name in plan.cdi_tokens:
-            self._regenerate_cdi(by_name[name])
+            self.regenerate_cdi(by_name[name])
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
@@ -283,15 +278,17 @@ class Arbiter:
     def _switch_tokens(self, claimant: str, plan: ClaimPlan, by_name: dict[str, TokenSpec]) -> None:
         for token in plan.switched_tokens:
             targets = {s.address: s.to_driver for s in plan.switches if s.token == token}
-            self.events.emit("switching", claimant=claimant, token=token, driver=_drivers(targets))
+            self.events.emit(
+                "switching", claimant=claimant, token=token, driver=drivers_label(targets)
+            )
             crashpoint("acquire.switch")
-            self._switch(by_name[token], targets, claimant)
+            self.switch_token(by_name[token], targets, claimant)
             with self.ledger.transaction() as txn:
                 lease = txn.state.lease_of(claimant)
                 if lease is not None:
                     txn.state = txn.state.with_lease(lease.with_switch(token, StepState.DONE))
 
-    def _switch(self, token: TokenSpec, targets: dict[str, str], claimant: str) -> None:
+    def switch_token(self, token: TokenSpec, targets: dict[str, str], claimant: str) -> None:
         """Switch one token; on failure poison it, so nothing touches it again."""
         started = time.monotonic()
         try:
@@ -303,7 +300,7 @@ class Arbiter:
             "switched",
             token=token.name,
             claimant=claimant,
-            driver=_drivers(targets),
+            driver=drivers_label(targets),
             seconds=round(time.monotonic() - started, 3),
         )
 
@@ -312,7 +309,7 @@ class Arbiter:
             txn.state = txn.state.with_poison(token, Poison(reason, now()))
         self.events.emit("poisoned", token=token, claimant=claimant, why=reason)
 
-    def _regenerate_cdi(self, token: TokenSpec) -> None:
+    def regenerate_cdi(self, token: TokenSpec) -> None:
         try:
             self.host.regenerate_cdi(token)
         except ArbiterError as error:
@@ -327,274 +324,7 @@ class Arbiter:
         Failures restoring holders are logged and leave the lease for `restore`;
         this never raises for them, because it runs when a VM stops.
         """
-        claimant = str(Claimant.parse(claimant))
-        if self.ledger.read().lease_of(claimant) is None:
-            return False
-        self.events.emit(
-            "release" if success else "failed", claimant=claimant, why=reason or "released"
-        )
-        return self._finish_release(claimant, success, reason)
-
-    def _finish_release(self, claimant: str, success: bool, reason: str) -> bool:
-        current = self.ledger.read().lease_of(claimant)
-        if current is None:
-            return False
-        holder_tokens = self._holder_tokens(current)  # outside the lock: this may ask libvirt
-        with self.ledger.transaction() as txn:
-            lease = txn.state.lease_of(claimant)
-            if lease is None:
-                return False
-            if self._owned_by_another_live_process(lease):
-                # Tearing down a claim another process is still carrying out
-                # would race with its steps; it finishes (or rolls back) itself.
-                raise LeaseInProgress(claimant, str(lease.state), lease.owner_pid)
-            lease, txn.state = self._release_intent_unlocked(
-                txn.state, lease, success, reason, holder_tokens
-            )
-        crashpoint("release.intent")
-        if lease is None:
-            return True
-        tokens = {spec.name: spec for spec in self._known_specs(lease.tokens)}
-        complete = True
-        for name in lease.tokens:
-            if lease.switch_state(name) is StepState.DONE:
-                continue
-            complete &= self._send_home(claimant, tokens.get(name))
-        complete &= self._restore_holders(claimant, holder_tokens)
-        crashpoint("release.restored")
-        with self.ledger.transaction() as txn:
-            current = txn.state.lease_of(claimant)
-            if current is None:
-                return True
-            if complete:
-                txn.state = txn.state.without_lease(claimant)
-            else:
-                txn.state = txn.state.with_lease(replace(current, owner_pid=0))
-        if not complete:
-            log.error("%s: release incomplete; run `charly-arbiter restore %s`", claimant, claimant)
-        return True
-
-    def _owned_by_another_live_process(self, lease: Lease) -> bool:
-        return (
-            lease.state is not LeaseState.ACTIVE
-            and lease.owner_pid not in (0, self.pid)
-            and lease.boot_id == self.host.boot_id()
-            and _pid_alive(lease.owner_pid)
-        )
-
-    def _holder_tokens(self, lease: Lease) -> dict[str, set[str]]:
-        """Which tokens each holder the lease stopped uses (for hand-overs)."""
-        try:
-            holders = self.host.holders(list(self.tokens().values()))
-        except ArbiterError as error:
-            log.warning("%s: cannot list the holders: %s", lease.claimant, error)
-            holders = []
-        found = {holder.ref: set(holder.tokens) for holder in holders}
-        for record in lease.stopped:
-            if record.shared_tokens:
-                found[record.holder] = set(record.shared_tokens)
-        return found
-
-    def _release_intent_unlocked(
-        self,
-        state: LedgerState,
-        lease: Lease,
-        success: bool,
-        reason: str,
-        holder_tokens: dict[str, set[str]] | None = None,
-    ) -> tuple[Lease | None, LedgerState]:
-        """Mark the lease releasing, handing stopped holders to a lease that stays.
-
-        A shared lease that is not the last on a token sends that token nothing
-        home; a holder it stopped for such a token belongs to the token, so its
-        record moves to a remaining shared lease on it (never to one that is
-        itself releasing: that one may already have read its list).  Holders of
-        tokens nobody else holds are restored as for the last lease.
-        """
-        others = [
-            other
-            for other in state.leases
-            if other.claimant != lease.claimant
-            and any(blocks_token(other, token) for token in lease.tokens)
-        ]
-        heirs = [
-            other.claimant
-            for other in others
-            if other.mode is Mode.SHARED and other.state is not LeaseState.RELEASING
-        ]
-        if lease.mode is Mode.SHARED and heirs and lease.state is not LeaseState.RELEASING:
-            held = {t for t in lease.tokens if any(blocks_token(o, t) for o in others)}
-            kept = []
-            for record in lease.stopped:
-                uses = (holder_tokens or {}).get(record.holder, set(lease.tokens)) & held
-                heir = next(
-                    (
-                        heir_lease
-                        for name in heirs
-                        if (heir_lease := state.lease_of(name)) is not None
-                        and uses & set(heir_lease.tokens)
-                    ),
-                    None,
-                )
-                if record.restored or heir is None:
-                    kept.append(record)
-                else:
-                    state = state.with_lease(heir.with_stopped(record))
-            if held == set(lease.tokens) and all(record.restored for record in kept):
-                return None, state.without_lease(lease.claimant)
-            lease = replace(lease, stopped=tuple(kept))
-        note = reason if reason else ("" if success else "failed")
-        switched = []
-        for token in lease.tokens:
-            # An acquire that never switched a token left it where it was: not ours to move.
-            untouched = lease.state is LeaseState.ACQUIRING and lease.switch_state(token) is None
-            gone_home = lease.state is LeaseState.RELEASING and (
-                lease.switch_state(token) is StepState.DONE
-            )
-            shared_by_others = any(token in other.tokens for other in others)
-            done = untouched or gone_home or shared_by_others
-            switched.append((token, StepState.DONE if done else StepState.PLANNED))
-        releasing = replace(
-            lease,
-            state=LeaseState.RELEASING,
-            owner_pid=self.pid,
-            switched=tuple(sorted(switched)),
-            note=note or lease.note,
-        )
-        return releasing, state.with_lease(releasing)
-
-    def _send_home(self, claimant: str, token: TokenSpec | None) -> bool:
-        if token is None:
-            return True
-        state = self.ledger.read()
-        if state.poison_of(token.name) is not None:
-            log.warning("%s: poisoned, left where it is", token.name)
-        else:
-            home = home_map(state, token)
-            current = {f.address: f.driver for f in self._fresh_functions(token)}
-            targets = {
-                address: driver
-                for address, driver in home.items()
-                if current.get(address) == VFIO or (driver and current.get(address) != driver)
-            }
-            if targets:
-                self.events.emit(
-                    "switching", claimant=claimant, token=token.name, driver=_drivers(targets)
-                )
-                crashpoint("release.switch")
-                try:
-                    self._switch(token, targets, claimant)
-                except SwitchFailed as error:
-                    log.error("%s: could not return home: %s", token.name, error)
-                    return False
-            if token.cdi:
-                self._regenerate_cdi(token)
-        with self.ledger.transaction() as txn:
-            lease = txn.state.lease_of(claimant)
-            if lease is not None:
-                txn.state = txn.state.with_lease(lease.with_switch(token.name, StepState.DONE))
-        return True
-
-    def _restore_holders(
-        self, claimant: str, holder_tokens: dict[str, set[str]] | None = None
-    ) -> bool:
-        lease = self.ledger.read().lease_of(claimant)
-        if lease is None:
-            return True
-        complete = True
-        for record in reversed(lease.stopped):
-            if record.restored:
-                continue
-            crashpoint("release.start")
-            try:
-                uses = (holder_tokens or {}).get(record.holder, set())
-                if self._hand_to_exclusive_holder(claimant, record, uses):
-                    continue
-                self._restore_one(claimant, record)
-            except ArbiterError as error:
-                log.error("%s: could not restore %s: %s", claimant, record.holder, error)
-                self.events.emit(
-                    "restore-failed", claimant=claimant, holder=record.holder, why=str(error)
-                )
-                complete = False
-        return complete
-
-    def _hand_to_exclusive_holder(
-        self, claimant: str, record: StoppedHolder, uses: set[str]
-    ) -> bool:
-        """Give the record to an exclusive lease that now holds one of the holder's
-        tokens, instead of starting the holder under it; that lease brings it back."""
-        with self.ledger.transaction() as txn:
-            lease = txn.state.lease_of(claimant)
-            heir = next(
-                (
-                    other
-                    for other in txn.state.leases
-                    if other.claimant != claimant
-                    and other.mode is Mode.EXCLUSIVE
-                    and other.state is not LeaseState.RELEASING
-                    and any(blocks_token(other, token) for token in uses)
-                ),
-                None,
-            )
-            if lease is None or heir is None:
-                return False
-            if all(r.holder != record.holder or r.restored for r in heir.stopped):
-                txn.state = txn.state.with_lease(heir.with_stopped(record))
-            lease = txn.state.lease_of(claimant) or lease
-            txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
-        log.info("%s: %s stays stopped for %s", claimant, record.holder, heir.claimant)
-        return True
-
-    def _restore_one(self, claimant: str, record: StoppedHolder) -> None:
-        """Start the holder again and give a shared claimant its lease back."""
-        state = self.ledger.read()
-        elsewhere = [
-            lease
-            for lease in state.leases
-            if lease.claimant != claimant
-            and any(r.holder == record.holder and not r.restored for r in lease.stopped)
-        ]
-        if elsewhere:
-            # Another claim stopped it too; that one brings it back.
-            self._mark_restored(claimant, record)
-            return
-        # A planned stop may have happened just before a crash: whatever is not
-        # running now was running when the claim was decided.
-        if not self.host.is_running(record.holder):
-            log.info("%s: starting %s again", claimant, record.holder)
-            self.events.emit("starting", claimant=claimant, holder=record.holder)
-            self.host.start(record.holder)
-            if not self.host.is_running(record.holder):
-                log.warning(
-                    "%s: %s cannot be started again (a terminated process)", claimant, record.holder
-                )
-        self.events.emit("restored", claimant=claimant, holder=record.holder)
-        if record.shared_tokens and self.host.is_running(record.holder):
-            self._reinstate_shared_lease(record)
-        self._mark_restored(claimant, record)
-
-    def _reinstate_shared_lease(self, record: StoppedHolder) -> None:
-        boot_id = self.host.boot_id()
-        with self.ledger.transaction() as txn:
-            if txn.state.lease_of(record.holder) is None:  # its own hook may have done it
-                txn.state = txn.state.with_lease(
-                    Lease(
-                        claimant=record.holder,
-                        mode=Mode.SHARED,
-                        tokens=record.shared_tokens,
-                        state=LeaseState.ACTIVE,
-                        transient=False,
-                        boot_id=boot_id,
-                        created=now(),
-                    )
-                )
-
-    def _mark_restored(self, claimant: str, record: StoppedHolder) -> None:
-        with self.ledger.transaction() as txn:
-            lease = txn.state.lease_of(claimant)
-            if lease is not None:
-                txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
+        return Releaser(self).release_claimant(claimant, success, reason)
 
     # -- restore, status, poison ------------------------------------------------------
 
@@ -608,56 +338,25 @@ class Arbiter:
             targets = [c for c in targets if state.lease_of(c) is not None]
         if dry_run:
             return targets
+        releaser = Releaser(self)
         for claimant in targets:
             self.events.emit("restore", claimant=claimant)
-            self._finish_release(claimant, success=False, reason="restored")
+            releaser.finish(claimant, success=False, reason="restored")
         return targets
 
     def stranded_claimants(self, state: LedgerState) -> frozenset[str]:
         return self._stranded_unlocked(state, self.host.boot_id())
 
-    def _liveness(self, state: LedgerState | None, boot_id: str) -> dict[str, bool]:
-        """Whether each active lease's claimant runs, asked before taking the lock."""
-        if state is None:
-            return {}
-        return {
-            lease.claimant: self.host.is_running(lease.claimant)
-            for lease in state.leases
-            if lease.state is LeaseState.ACTIVE and lease.boot_id == boot_id
-        }
-
     def _stranded_unlocked(
         self, state: LedgerState, boot_id: str, alive: dict[str, bool] | None = None
     ) -> frozenset[str]:
-        """Leases from an earlier boot, of a dead writer, or of a claimant gone.
-
-        With `alive` (asked before the lock), a claimant it does not know — a
-        lease written meanwhile — counts as running: the lock is never held
-        across a question to libvirt.
-        """
-        stranded = set()
-        for lease in state.leases:
-            if lease.boot_id != boot_id:
-                stranded.add(lease.claimant)
-            elif lease.state is not LeaseState.ACTIVE:
-                if not _pid_alive(lease.owner_pid):
-                    stranded.add(lease.claimant)
-            elif self._young(lease):
-                continue
-            elif alive is not None:
-                if not alive.get(lease.claimant, True):
-                    stranded.add(lease.claimant)
-            elif not self.host.is_running(lease.claimant):
-                stranded.add(lease.claimant)
-        return frozenset(stranded)
-
-    def _young(self, lease: Lease) -> bool:
-        """A claimant is allowed to not run yet right after its claim (a VM starting)."""
-        try:
-            age = time.time() - datetime.fromisoformat(lease.created).timestamp()
-        except ValueError:
-            return False
-        return age < self.config.timeouts.claim_grace
+        return stranded_claimants(
+            state,
+            boot_id,
+            grace=self.config.timeouts.claim_grace,
+            is_running=self.host.is_running,
+            alive=alive,
+        )
 
     def status(self) -> Status:
         reading = self.ledger.inspect()
@@ -677,7 +376,7 @@ class Arbiter:
                     name=spec.name,
                     address=spec.address,
                     mode=mode,
-                    drivers=tuple((f.address, f.driver) for f in self._fresh_functions(spec)),
+                    drivers=tuple((f.address, f.driver) for f in self.fresh_functions(spec)),
                     poisoned=poison is not None,
                     reason=poison.reason if poison else "",
                     since=poison.since if poison else "",
@@ -702,27 +401,9 @@ class Arbiter:
 
     # -- helpers --------------------------------------------------------------------
 
-    def _known_specs(self, names: Sequence[str]) -> list[TokenSpec]:
+    def known_specs(self, names: Sequence[str]) -> list[TokenSpec]:
         known = self.tokens()
         return [known[name] for name in names if name in known]
 
-    def _fresh_functions(self, token: TokenSpec) -> Sequence[PciFunction]:
+    def fresh_functions(self, token: TokenSpec) -> Sequence[PciFunction]:
         return self.host.token_functions(token.name, token.address)
-
-
-def _drivers(targets: dict[str, str]) -> str:
-    """The target drivers of a switch, as events name them ("home" for the kernel's choice)."""
-    return ",".join(sorted({driver or "home" for driver in targets.values()}))
-
-
-def _pid_alive(pid: int) -> bool:
-    """Whether the process that wrote an in-progress lease still runs."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -70,3 +70,8 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
     if sentence is not None:
         return sentence()
     return " ".join([kind, *(f"{key}={value}" for key, value in fields.items())])
+
+
+def drivers_label(targets: Mapping[str, str]) -> str:
+    """The target drivers of a switch as events name them ("home" for the kernel's choice)."""
+    return ",".join(sorted({driver or "home" for driver in targets.values()}))

@@ -30,6 +30,7 @@ from typing import Any
 from charly_arbiter.crashpoints import crashpoint
 from charly_arbiter.errors import ArbiterError, StateDirUnsafe
 from charly_arbiter.events import STEP_STARTS
+from charly_arbiter.liveness import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +222,7 @@ def interrupted(records: Sequence[Record], alive: Any = None) -> set[int]:
     record of a process no longer alive is where that process was killed.
     `alive(pid)` answers whether a pid still runs (default: `kill(pid, 0)`).
     """
-    is_alive = alive or _pid_alive
+    is_alive = alive or pid_alive
     last_of_pid: dict[int, int] = {}
     for index, record in enumerate(records):
         last_of_pid[record.pid] = index
@@ -288,15 +289,3 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from enum import StrEnum
 
 from charly_arbiter.errors import InvalidClaimant
@@ -17,6 +18,11 @@ VFIO = "vfio-pci"
 
 _KIND = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 _MAX_NAME = 256
+
+
+def now() -> str:
+    """A lease's timestamps: local time with its offset, to the second."""
+    return datetime.now(UTC).astimezone().isoformat(timespec="seconds")
 
 
 class Mode(StrEnum):
