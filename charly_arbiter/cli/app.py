@@ -159,3 +159,14 @@ def build(lazy: Mapping[str, str]) -> click.Group:
         ctx.obj = App(config_path, state_dir, host_spec, verbose)
 
     return cli
+
+
+def vm_memory_option(command: Any) -> Any:
+    """`--vm-memory MIB`, shared by `detect` and `doctor` (what RLIMIT_MEMLOCK must cover)."""
+    return click.option(
+        "--vm-memory",
+        type=click.IntRange(min=1),
+        default=8192,
+        show_default=True,
+        help="MiB of guest memory to compare RLIMIT_MEMLOCK against.",
+    )(command)

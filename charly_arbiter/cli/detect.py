@@ -6,19 +6,13 @@ import json
 
 import click
 
-from charly_arbiter.cli.app import App
+from charly_arbiter.cli.app import App, vm_memory_option
 from charly_arbiter.errors import HostError
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
-@click.option(
-    "--vm-memory",
-    type=click.IntRange(min=1),
-    default=8192,
-    show_default=True,
-    help="MiB of guest memory to compare RLIMIT_MEMLOCK against.",
-)
+@vm_memory_option
 @click.pass_obj
 def detect(app: App, as_json: bool, vm_memory: int) -> None:
     """List PCI functions, GPUs (NVML, KFD or sysfs) and whether VFIO passthrough can work."""

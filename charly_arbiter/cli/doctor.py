@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from charly_arbiter import run
-from charly_arbiter.cli.app import App
+from charly_arbiter.cli.app import App, vm_memory_option
 from charly_arbiter.errors import ArbiterError
 
 HOOK_PATH = Path("/etc/libvirt/hooks/qemu.d/charly-arbiter")
@@ -204,13 +204,7 @@ def run_checks(app: App, vm_memory: int, hook: Path) -> list[Check]:
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
-@click.option(
-    "--vm-memory",
-    type=click.IntRange(min=1),
-    default=8192,
-    show_default=True,
-    help="MiB of guest memory to compare RLIMIT_MEMLOCK against.",
-)
+@vm_memory_option
 @click.option(
     "--hook",
     "hook_path",

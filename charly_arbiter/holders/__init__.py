@@ -9,10 +9,10 @@ so the hook's path for a domain with no claim never imports libvirt.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
-from charly_arbiter.config import Config
+from charly_arbiter.config import Config, HolderConfig
 from charly_arbiter.errors import HostError
 from charly_arbiter.host import Holder, TokenSpec
 
@@ -41,6 +41,31 @@ class HolderSource(Protocol):
     def start(self, ref: str) -> None:
         """Start it again (or do nothing, for what cannot be restarted)."""
         ...
+
+
+def listed_holders(
+    listed: Iterable[HolderConfig],
+    tokens: Sequence[TokenSpec],
+    is_running: Callable[[str], bool],
+    how: Callable[[HolderConfig], str],
+) -> list[Holder]:
+    """The holders arbiter.toml lists for any of `tokens` (units, containers)."""
+    names = {token.name for token in tokens}
+    found = []
+    for entry in listed:
+        held = tuple(token for token in entry.tokens if token in names)
+        if held:
+            found.append(
+                Holder(
+                    ref=entry.ref,
+                    tokens=held,
+                    preemptible=entry.preemptible,
+                    running=is_running(entry.ref),
+                    how=how(entry),
+                    detail="listed in arbiter.toml",
+                )
+            )
+    return found
 
 
 class HolderRegistry:

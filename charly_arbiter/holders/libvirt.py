@@ -36,6 +36,7 @@ from charly_arbiter.config import Config, HolderConfig
 from charly_arbiter.domainxml import DomainXMLError, mdev_parent, parse_domain, resolve_claim
 from charly_arbiter.errors import ArbiterError, HolderError, HostError, LedgerCorrupt
 from charly_arbiter.host import Holder, TokenSpec
+from charly_arbiter.liveness import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -346,15 +347,7 @@ def _marked_by_live_process(marker: Path) -> bool:
         pid = int(marker.read_text().strip() or "0")
     except (OSError, ValueError):
         return False
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid_alive(pid)
 
 
 def _marker_name(ref: str) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from charly_arbiter import run
 from charly_arbiter.config import Config
 from charly_arbiter.errors import CommandFailed, HolderError
+from charly_arbiter.holders import listed_holders
 from charly_arbiter.host import Holder, TokenSpec
 
 KIND = "systemd"
@@ -27,22 +28,7 @@ class SystemdHolders:
         self.listed = [h for h in config.holders if h.ref.startswith(f"{KIND}:")]
 
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
-        names = {token.name for token in tokens}
-        found = []
-        for listed in self.listed:
-            held = tuple(t for t in listed.tokens if t in names)
-            if held:
-                found.append(
-                    Holder(
-                        ref=listed.ref,
-                        tokens=held,
-                        preemptible=listed.preemptible,
-                        running=self.is_running(listed.ref),
-                        how="systemctl stop",
-                        detail="listed in arbiter.toml",
-                    )
-                )
-        return found
+        return listed_holders(self.listed, tokens, self.is_running, lambda entry: "systemctl stop")
 
     def is_running(self, ref: str) -> bool:
         result = run.run(
