@@ -68,10 +68,13 @@ class Ledger:
     def read(self) -> LedgerState:
         """The current state without taking the lock; raises `LedgerCorrupt`."""
         self._check_state_dir(create=False)
+        # The backup is looked at first: a ledger exists before its first backup
+        # does and never goes away, so a backup seen *before* a missing ledger
+        # means damage, while one seen after may just come from the first writes running meanwhile.
+        backup_existed = self.backup.exists()
         if self.path.exists() or self.path.is_symlink():
             return self._load_file(self.path)
-        if self.backup.exists():
-            # A ledger never disappears on its own; its backup says it existed.
+        if backup_existed:
             raise LedgerCorrupt(self.path, f"it is missing but {self.backup} exists")
         return LedgerState()
 
