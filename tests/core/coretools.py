@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from invariants import HostFacts, assert_invariants, sim_facts
+
 from charly_arbiter.ledger import LEDGER, Ledger
 from charly_arbiter.model import LedgerState
 
@@ -88,6 +90,7 @@ ALL_PREEMPTIBLE = host_toml(dm_preemptible=True)
 
 HOLDER_REFS = ("container:llm", "systemd:ollama.service", "systemd:display-manager.service")
 HOME = {"0000:0a:00.0": "nvidia", "0000:0a:00.1": "snd_hda_intel", "0000:0b:00.0": "nvidia"}
+TOKEN_FUNCTIONS = {"gpu0": ("0000:0a:00.0", "0000:0a:00.1"), "gpu1": ("0000:0b:00.0",)}
 
 
 def ledger_bytes(state_dir: Path) -> bytes | None:
@@ -104,6 +107,16 @@ def host_state(sim: Any) -> dict[str, Any]:
     """The simulated host's drivers and running holders (the log is left out)."""
     snapshot = sim.host().snapshot()
     return {"drivers": snapshot["drivers"], "running": snapshot["running"]}
+
+
+def facts(sim: Any, expected_running: tuple[str, ...] = HOLDER_REFS) -> HostFacts:
+    """The default simulated host's facts, for the shared invariant checks."""
+    return sim_facts(sim.host().snapshot(), TOKEN_FUNCTIONS, expected_running)
+
+
+def check_invariants(sim: Any, context: object = "") -> None:
+    """I1-I3 on the default simulated host and its ledger."""
+    assert_invariants(read_ledger(sim.state_dir), facts(sim), context)
 
 
 def assert_converged(sim: Any) -> None:

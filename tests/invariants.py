@@ -1,0 +1,128 @@
+"""The safety invariants of docs/architecture.md, as checks every test can share.
+
+(I1) A token never has an exclusive lease beside any other lease that holds it.
+(I2) A token's functions are on vfio-pci only while an exclusive lease covers it
+     (in any state) or it is poisoned.
+(I3) Every holder the arbiter stopped is recorded in exactly one lease until it
+     is started again.
+(I4) A mutating command on a corrupt or unsafe ledger changes nothing on the
+     host or on disk (`unchanged_by`).
+(I5) Once every claimant is gone, `restore --stranded` leaves no lease, every
+     token home or poisoned, every preemptible holder running, and a second
+     restore changes nothing (`assert_converged`).
+
+The checks read plain facts (the ledger's state, each function's driver, which
+holders run), so the simulated host, a real libvirtd and a real kernel can all
+be checked by the same code.  They return every violation, not the first one,
+so a failing interleaving says everything that went wrong at that step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from charly_arbiter.model import VFIO, LedgerState, Mode
+from charly_arbiter.planner import blocks_token
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the host shows at one moment.
+
+    `expected_running` are the holders that run unless the arbiter stopped
+    them (those running when the test began, less what the test stopped by
+    itself and holders that cannot come back, such as a terminated process).
+    """
+
+    drivers: Mapping[str, str | None]
+    token_functions: Mapping[str, Sequence[str]]
+    running: Mapping[str, bool]
+    expected_running: frozenset[str] = field(default_factory=frozenset)
+
+
+def violations(state: LedgerState, host: HostFacts) -> list[str]:
+    """Every way in which I1, I2 or I3 does not hold."""
+    found: list[str] = []
+    for token in host.token_functions:
+        holding = [lease for lease in state.leases if blocks_token(lease, token)]
+        exclusive = [lease for lease in holding if lease.mode is Mode.EXCLUSIVE]
+        if exclusive and len(holding) > 1:
+            names = ", ".join(f"{lease.claimant} ({lease.mode}, {lease.state})" for lease in holding)
+            found.append(f"I1: {token} is held exclusively beside another lease: {names}")
+    for token, addresses in host.token_functions.items():
+        on_vfio = [address for address in addresses if host.drivers.get(address) == VFIO]
+        if not on_vfio or state.poison_of(token) is not None:
+            continue
+        covered = any(
+            lease.mode is Mode.EXCLUSIVE and token in lease.tokens for lease in state.leases
+        )
+        if not covered:
+            found.append(
+                f"I2: {token} has {', '.join(on_vfio)} on vfio-pci with no exclusive lease "
+                "and no poison"
+            )
+    records: dict[str, list[str]] = {}
+    for lease in state.leases:
+        for record in lease.stopped:
+            if not record.restored:
+                records.setdefault(record.holder, []).append(lease.claimant)
+    for holder, leases in sorted(records.items()):
+        if len(leases) > 1:
+            found.append(f"I3: {holder} is recorded as stopped by {len(leases)} leases: {leases}")
+    for holder in sorted(host.expected_running):
+        if not host.running.get(holder, False) and holder not in records:
+            found.append(f"I3: {holder} is stopped, and no lease records it")
+    return found
+
+
+def assert_invariants(state: LedgerState, host: HostFacts, context: object = "") -> None:
+    problems = violations(state, host)
+    assert not problems, f"{context}: " + "; ".join(problems) if context else "; ".join(problems)
+
+
+def unchanged_by(snapshot: Callable[[], T], action: Callable[[], object]) -> tuple[T, T]:
+    """(I4) The snapshot before and after `action`; the caller asserts they are equal."""
+    before = snapshot()
+    action()
+    return before, snapshot()
+
+
+def assert_converged(
+    state: LedgerState,
+    host: HostFacts,
+    homes: Mapping[str, str | None],
+    preemptible: Collection[str],
+) -> None:
+    """(I5) No lease, every function home (or its token poisoned), every preemptible
+    holder that is expected to run running."""
+    assert state.leases == (), state.leases
+    for token, addresses in host.token_functions.items():
+        if state.poison_of(token) is not None:
+            continue
+        for address in addresses:
+            assert host.drivers.get(address) == homes[address], (token, address, host.drivers)
+    for holder in sorted(preemptible):
+        if holder in host.expected_running:
+            assert host.running.get(holder, False), (holder, host.running)
+    assert_invariants(state, host, "after restore")
+
+
+def sim_facts(
+    snapshot: Mapping[str, object],
+    token_functions: Mapping[str, Sequence[str]],
+    expected_running: Collection[str],
+) -> HostFacts:
+    """HostFacts from a simulated host's `snapshot()`."""
+    drivers = snapshot["drivers"]
+    running = snapshot["running"]
+    assert isinstance(drivers, dict) and isinstance(running, dict)
+    return HostFacts(
+        drivers={address: driver or None for address, driver in drivers.items()},
+        token_functions=token_functions,
+        running={ref: bool(value) for ref, value in running.items()},
+        expected_running=frozenset(expected_running),
+    )
