@@ -51,7 +51,7 @@ def violations(state: LedgerState, host: HostFacts) -> list[str]:
         holding = [lease for lease in state.leases if blocks_token(lease, token)]
         exclusive = [lease for lease in holding if lease.mode is Mode.EXCLUSIVE]
         if exclusive and len(holding) > 1:
-            names = ", ".join(f"{lease.claimant} ({lease.mode}, {lease.state})" for lease in holding)
+            names = ", ".join(f"{item.claimant} ({item.mode}, {item.state})" for item in holding)
             found.append(f"I1: {token} is held exclusively beside another lease: {names}")
     for token, addresses in host.token_functions.items():
         on_vfio = [address for address in addresses if host.drivers.get(address) == VFIO]
