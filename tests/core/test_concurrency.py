@@ -62,7 +62,7 @@ from coretools import REPO, ledger_bytes, read_ledger
 from invariants import HostFacts, assert_converged, sim_facts, violations
 
 from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Lease, LeaseState, Mode
+from charly_arbiter.model import Lease, LeaseState, LedgerState, Mode
 from charly_arbiter.simhost import SimHost
 
 TOKENS = ("gpu0", "gpu1", "gpu2", "gpu3")
@@ -293,7 +293,7 @@ def reader(state_dir: Path, sim_dir: Path, stop: Path, result: Path) -> None:
     paired: set[int] = set()
     found: dict[str, dict[str, Any]] = {}
 
-    def note(state: Any, problems: list[str], drivers: object = None) -> None:
+    def note(state: LedgerState, problems: list[str], drivers: object = None) -> None:
         for problem in problems:
             entry = found.setdefault(problem, {"generation": state.generation, "count": 0})
             entry["count"] += 1
@@ -352,6 +352,8 @@ def stress(make_sim: Any, tmp_path: Path, size: Size) -> None:
             process.kill()
     stop.touch()
     reading.join(timeout=60)
+    if reading.exitcode is None:
+        reading.kill()
     assert stuck == [], f"workers {stuck} did not finish within {BUDGET} s of the deadline"
     assert [process.exitcode for process, _ in workers] == [0] * size.workers
     assert reading.exitcode == 0
