@@ -34,7 +34,7 @@ from charly_arbiter.arbiter import Arbiter
 from charly_arbiter.config import load_config
 from charly_arbiter.errors import ClaimRefused
 from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import VFIO, LeaseState, Mode
+from charly_arbiter.model import VFIO, LeaseState, Mode, ProcessRef
 from charly_arbiter.planner import blocks_token
 from charly_arbiter.simhost import SimHost
 
@@ -111,9 +111,7 @@ class ArbiterMachine(RuleBasedStateMachine):
         shutil.rmtree(self.root, ignore_errors=True)
 
     def arbiter(self) -> Arbiter:
-        arbiter = Arbiter(self.config, self.host, self.ledger)
-        arbiter.pid = self.owner
-        return arbiter
+        return Arbiter(self.config, self.host, self.ledger, owner=ProcessRef(self.owner))
 
     # -- the model -----------------------------------------------------------------
 
@@ -150,7 +148,8 @@ class ArbiterMachine(RuleBasedStateMachine):
     @rule(claimant=st.sampled_from(CLAIMANTS), failed=st.booleans())
     def release(self, claimant: str, failed: bool) -> None:
         had = self.ledger.read().lease_of(claimant) is not None
-        assert self.arbiter().release_claimant(claimant, success=not failed) is had
+        # The claimant says it is done (its hook, after it stopped).
+        assert self.arbiter().release_claimant(claimant, success=not failed, force=True) is had
 
     @rule(claimant=st.sampled_from(CLAIMANTS))
     def claimant_dies(self, claimant: str) -> None:
@@ -197,7 +196,7 @@ class ArbiterMachine(RuleBasedStateMachine):
                 self.dead.discard(claimant)
                 self.arbiter().acquire(claimant, mode, list(tokens))
             elif op == "release":
-                self.arbiter().release_claimant(claimant)
+                self.arbiter().release_claimant(claimant, force=True)
             else:
                 self.arbiter().restore()
         except (Crash, ClaimRefused) as error:
