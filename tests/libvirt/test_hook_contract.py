@@ -379,11 +379,12 @@ def test_on_errors_prepare_refuses_and_release_and_reconnect_exit_0(
 # -- the XML is untrusted ---------------------------------------------------------------------
 
 
+ODD = b"<name>vm-with-odd-xml</name>"
 MALFORMED = {
-    "truncated": b"<domain type='kvm'><name>bad</name><devices><hostdev mode='subsystem'",
-    "doctype": b"<!DOCTYPE d [<!ENTITY e 'hostdev'>]><domain><name>bad</name>&e;</domain>",
+    "truncated": b"<domain type='kvm'>" + ODD + b"<devices><hostdev mode='subsystem'",
+    "doctype": b"<!DOCTYPE d [<!ENTITY e 'hostdev'>]><domain>" + ODD + b"&e;</domain>",
     "not-a-domain": b"<hostdev mode='subsystem' type='pci'/>",
-    "bad-address": b"<domain><name>bad</name><devices><hostdev mode='subsystem' type='pci'>"
+    "bad-address": b"<domain>" + ODD + b"<devices><hostdev mode='subsystem' type='pci'>"
     b"<source><address bus='0xzz' slot='0x00'/></source></hostdev></devices></domain>",
     "not-utf8": b"<domain><name>\xff\xfe</name><devices><hostdev/></devices></domain>",
 }
@@ -394,10 +395,10 @@ def test_malformed_xml_refuses_prepare_clearly_and_release_exits_0(
     sim: SimEnv, document: str
 ) -> None:
     hook = module_hook(sim)
-    prepare = hook("bad", "prepare", "begin", "-", stdin=MALFORMED[document])
+    prepare = hook("vm-with-odd-xml", "prepare", "begin", "-", stdin=MALFORMED[document])
     assert prepare.returncode != 0
-    assert_one_message(prepare, "'bad'", "XML")
-    release = hook("bad", "release", "end", "-", stdin=MALFORMED[document])
+    assert_one_message(prepare, "vm-with-odd-xml", "XML")
+    release = hook("vm-with-odd-xml", "release", "end", "-", stdin=MALFORMED[document])
     assert (release.returncode, release.stdout) == (0, b"")
     assert Ledger(sim.state_dir).read().leases == ()
 
