@@ -227,12 +227,9 @@ class Libvirt:
         out = self.virsh("list", "--name").stdout
         return {line.strip() for line in out.splitlines() if line.strip().startswith(PREFIX)}
 
-    def domstate(self, name: str) -> str:
-        """libvirt's own word for the domain's state: "running", "shut off", "paused", ..."""
-        return str(self.virsh("domstate", name).stdout.strip())
-
     def states(self) -> dict[str, str]:
-        """The state of every test domain, from one `virsh list --all`."""
+        """libvirt's own word for the state of every test domain ("running", "shut off",
+        "paused", ...), from one `virsh list --all`."""
         out = self.virsh("list", "--all").stdout.splitlines()[2:]
         rows = (line.split(None, 2) for line in out if line.strip())
         return {row[1]: row[2].strip() for row in rows if row[1].startswith(PREFIX)}

@@ -13,7 +13,7 @@ After every step the tests wait until the host has *settled*
 directory, no hook or holder stop/start still marked by a live process, no
 lease mid-step with a live owner, no test domain between states; bounded)
 and then check I1-I3 (tests/invariants.py) over the simulated host's
-drivers and the real `virsh domstate` of the holder VMs.
+drivers and libvirt's own state of the holder VMs (`virsh list --all`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ ITERATIONS = 20
 # ran to its bound (a wait that could not end by itself, not a race resolved);
 # the hook log then usually says which ("libvirt did not answer within 20 s").
 MAX_CYCLE_SECONDS = 30
-THIRD_VM_EVERY = 4
+THIRD_VM_EVERY = 5
 ROUNDS = 3
 
 
@@ -50,10 +50,11 @@ def ledger(lv: Libvirt) -> LedgerState:
     return Ledger(lv.state_dir).read()
 
 
-def facts(lv: Libvirt, holders: tuple[str, ...]) -> HostFacts:
-    """gpu0 only: gpu1 starts on vfio-pci with no lease by the host's design (conftest)."""
+def facts(lv: Libvirt, holders: tuple[str, ...], states: dict[str, str]) -> HostFacts:
+    """gpu0 only: gpu1 starts on vfio-pci with no lease by the host's design (conftest).
+    `states` is `lv.states()`, taken once the host has settled."""
     drivers = lv.sim_state().get("drivers", {})
-    refs = {f"libvirt:{name}": lv.domstate(name) == "running" for name in holders}
+    refs = {f"libvirt:{name}": states[name] == "running" for name in holders}
     return HostFacts(
         drivers={address: driver or None for address, driver in drivers.items()},
         token_functions={"gpu0": GPU0},
@@ -62,7 +63,7 @@ def facts(lv: Libvirt, holders: tuple[str, ...]) -> HostFacts:
     )
 
 
-def claimant_holds_gpu(lv: Libvirt, vm: str, holder: str) -> list[str]:
+def claimant_holds_gpu(lv: Libvirt, vm: str, holder: str, states: dict[str, str]) -> list[str]:
     """What is wrong with "vm runs": it must hold gpu0 exclusively, and the holder must
     be stopped and recorded in its lease."""
     problems = []
@@ -79,8 +80,8 @@ def claimant_holds_gpu(lv: Libvirt, vm: str, holder: str) -> list[str]:
     drivers = lv.sim_state().get("drivers", {})
     if any(drivers.get(address) != VFIO for address in GPU0):
         problems.append(f"{ref} runs but gpu0 is on {[drivers.get(a) for a in GPU0]}")
-    if lv.domstate(holder) != "shut off":
-        problems.append(f"{holder_ref} is {lv.domstate(holder)} while {ref} runs")
+    if states[holder] != "shut off":
+        problems.append(f"{holder_ref} is {states[holder]} while {ref} runs")
     return problems
 
 
@@ -99,7 +100,7 @@ def third_vm_is_refused(lv: Libvirt, third: str, vm: str, holders: tuple[str, ..
         problems.append(f"{third} was refused without naming {vm}: {result.stderr.strip()!r}")
     if ledger(lv).leases != before.leases:
         problems.append(f"the refused start of {third} changed the leases")
-    problems += violations(ledger(lv), facts(lv, holders))
+    problems += violations(ledger(lv), facts(lv, holders, lv.states()))
     return problems
 
 
@@ -133,12 +134,12 @@ def test_destroy_and_start_back_to_back_never_leaves_the_vm_without_its_lease(
     lv.virsh("start", holder)
     lv.virsh("start", vm)
     lv.settle()
-    assert claimant_holds_gpu(lv, vm, holder) == []
+    assert claimant_holds_gpu(lv, vm, holder, lv.states()) == []
 
     outcomes = {"runs": 0, "refused": 0}
     cycle_seconds, settle_seconds = [], []
     for iteration in range(1, ITERATIONS + 1):
-        was_running = lv.domstate(vm) == "running"
+        was_running = lv.states()[vm] == "running"
         mark = len(hook_log(lv))
         started = time.monotonic()
         if was_running:
@@ -147,12 +148,12 @@ def test_destroy_and_start_back_to_back_never_leaves_the_vm_without_its_lease(
         cycle_seconds.append(time.monotonic() - started)
         settle_seconds.append(lv.settle())
 
-        state = ledger(lv)
-        problems = violations(state, facts(lv, holders))
-        runs = lv.domstate(vm) == "running"
+        state, states = ledger(lv), lv.states()
+        problems = violations(state, facts(lv, holders, states))
+        runs = states[vm] == "running"
         if runs:
             outcomes["runs"] += 1
-            problems += claimant_holds_gpu(lv, vm, holder)
+            problems += claimant_holds_gpu(lv, vm, holder, states)
             if iteration % THIRD_VM_EVERY == 0 or problems:
                 problems += third_vm_is_refused(lv, third, vm, holders)
         else:
@@ -185,16 +186,16 @@ def test_destroy_and_start_back_to_back_never_leaves_the_vm_without_its_lease(
     )
     assert outcomes["runs"] > 0, f"{vm} never ran in {ITERATIONS} restarts: {outcomes}"
 
-    if lv.domstate(vm) == "running":
+    if lv.states()[vm] == "running":
         lv.virsh("destroy", vm)
     lv.settle()
-    state = ledger(lv)
+    state, states = ledger(lv), lv.states()
     assert [(x.claimant, x.mode, x.state) for x in state.leases] == [
         (f"libvirt:{holder}", Mode.SHARED, LeaseState.ACTIVE)
     ]
-    assert lv.domstate(holder) == "running"
+    assert states[holder] == "running"
     assert {a: lv.sim_state()["drivers"][a] for a in GPU0} == HOMES
-    assert violations(state, facts(lv, holders)) == []
+    assert violations(state, facts(lv, holders, states)) == []
 
 
 def test_parallel_starts_of_exclusive_claimants_one_wins_every_round(lv: Libvirt) -> None:
@@ -238,15 +239,15 @@ def test_parallel_starts_of_exclusive_claimants_one_wins_every_round(lv: Libvirt
             assert f"libvirt:{loser} cannot claim gpu0" in stderr, context
             assert f"held exclusively by libvirt:{winner}" in stderr, context
         assert lv.running() == {winner}, context
-        state = ledger(lv)
+        state, states = ledger(lv), lv.states()
         assert [x.claimant for x in state.leases] == [f"libvirt:{winner}"], context
-        assert violations(state, facts(lv, holders)) == [], context
-        assert claimant_holds_gpu(lv, winner, holder) == [], context
+        assert violations(state, facts(lv, holders, states)) == [], context
+        assert claimant_holds_gpu(lv, winner, holder, states) == [], context
 
         lv.virsh("destroy", winner)
         settled = lv.settle()
         state = ledger(lv)
-        assert violations(state, facts(lv, holders)) == [], context
+        assert violations(state, facts(lv, holders, lv.states())) == [], context
         assert lv.running() == {holder}, context
         assert [(x.claimant, x.mode, x.state) for x in state.leases] == [
             (f"libvirt:{holder}", Mode.SHARED, LeaseState.ACTIVE)
@@ -261,7 +262,7 @@ def test_parallel_starts_of_exclusive_claimants_one_wins_every_round(lv: Libvirt
     # and nothing left for `restore`.
     lv.virsh("destroy", holder)
     lv.settle()
-    assert_converged(ledger(lv), facts(lv, ()), HOMES, ())
+    assert_converged(ledger(lv), facts(lv, (), lv.states()), HOMES, ())
     before = lv.ledger_text()
     restored = lv.cli("restore", "--stranded")
     assert restored.returncode == 0, restored.stderr
