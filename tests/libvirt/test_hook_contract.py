@@ -419,7 +419,7 @@ def test_a_gpu_hostdev_after_a_large_description_is_claimed(sim: SimEnv) -> None
 
 
 def test_xml_above_the_bound_is_refused_at_prepare(sim: SimEnv) -> None:
-    """Above a generous bound (64 MiB; libvirt's own is 10 MiB) the hook cannot know
+    """Above a generous bound (16 MiB; libvirt's own is 10 MiB) the hook cannot know
     what the rest claims: it refuses with a message, and release still exits 0."""
     xml = domain_xml("huge", pci=("gpu2",), description_bytes=64 * MIB + 4096)
     hook = module_hook(sim)
