@@ -170,15 +170,22 @@ class LibvirtHolders:
         )
 
     def _ledger_names(self) -> set[str]:
-        """The libvirt domains the ledger names: claimants and the holders they stopped."""
+        """The libvirt domains the ledger records as stopped holders.
+
+        Not the claimants: a claim decides about them by their leases (a shared
+        claimant is preempted through its lease, an exclusive one refuses), and
+        looking one up from a hook can deadlock.  A VM whose prepare hook waits
+        for its own release is locked by libvirt from before its hook could
+        leave a marker; that release starts a holder VM, whose nested hook must
+        not wait on the first VM's lock.
+        """
         from charly_arbiter.ledger import Ledger
 
         try:
             leases = Ledger(self.config.state_dir).read().leases
         except LedgerCorrupt:
             leases = ()  # the arbiter reports it on its own path
-        refs = [lease.claimant for lease in leases]
-        refs += [record.holder for lease in leases for record in lease.stopped]
+        refs = [record.holder for lease in leases for record in lease.unrestored()]
         return {ref.partition(":")[2] for ref in refs if ref.startswith(f"{KIND}:")}
 
     def _holder(
