@@ -133,9 +133,8 @@ def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list
             "stopped, sends the GPU home and drops the lease)."
         )
     elif lease.state is not LeaseState.ACTIVE:
-        sentences.append(
-            f"{who[0].upper()}{who[1:]} is {lease.state} right now (process {lease.owner_pid})."
-        )
+        by = f" by process {lease.owner.pid}" if lease.owner else ""
+        sentences.append(f"{who[0].upper()}{who[1:]} is {lease.state} right now{by}.")
     return sentences
 
 
@@ -143,8 +142,9 @@ def _stranded_why(lease: Lease, facts: Facts) -> str:
     if lease.boot_id != facts.boot_id:
         return "it was made before the last reboot"
     if lease.state is not LeaseState.ACTIVE:
+        writer = f" (pid {lease.owner.pid})" if lease.owner else ""
         return (
-            f"the process that was {lease.state} it (pid {lease.owner_pid}) is gone, "
+            f"the process that was {lease.state} it{writer} is gone, "
             "so the claim stopped half-way"
         )
     return f"{lease.claimant} is not running any more"

@@ -408,3 +408,21 @@ def test_every_holder_stays_recorded_through_a_refused_claim(sim):
     )
     with pytest.raises(ClaimRefused):
         sim.arbiter().acquire("libvirt:other", Mode.EXCLUSIVE, ["gpu0"])
+
+
+def test_explain_never_speaks_of_pid_0(sim):
+    """Before: a release that could not finish left its lease with no writer, and
+    `explain` said "pid 0"."""
+    sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", check=True)
+    sim.set_host(
+        (sim.sim_dir / "host.toml")
+        .read_text()
+        .replace('name = "llm"\n', 'name = "llm"\nfail_start = true\n')
+    )
+    sim.stopped("libvirt:win11")
+    assert sim.cli("release", "libvirt:win11").returncode == 1  # container:llm did not start
+    lease = read_ledger(sim.state_dir).lease_of("libvirt:win11")
+    assert lease is not None and lease.owner is None
+    text = sim.cli("explain", "libvirt:win11").stdout
+    assert "stranded" in text and "restore libvirt:win11" in text
+    assert "pid 0" not in text and "process 0" not in text

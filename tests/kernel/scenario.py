@@ -175,7 +175,7 @@ def scenario_holder_terminated_then_release(out: dict[str, Any]) -> None:
             "card0_exists": Path("/dev/dri/card0").exists(),
             "status": status(config),
         }
-        result = cli(config, "release", f"process:{claimant.pid}")
+        result = cli(config, "release", "--force", f"process:{claimant.pid}")
         out["released"] = {
             **result,
             "drivers": drivers(),
@@ -199,7 +199,7 @@ def scenario_failed_switch_poisons(out: dict[str, Any], kernel_root: str) -> Non
     try:
         acquired = cli(config, "acquire", "--exclusive", f"process:{claimant.pid}", "gpu")
         rmmod = subprocess.run(["/sbin/rmmod", "snd_hda_intel"], capture_output=True, text=True)
-        result = cli(config, "release", f"process:{claimant.pid}")
+        result = cli(config, "release", "--force", f"process:{claimant.pid}")
         out["failed_switch"] = {
             **result,
             "acquire_rc": acquired["rc"],
@@ -252,7 +252,7 @@ def scenario_hung_switch_poisons(out: dict[str, Any]) -> None:
         record["vm_opened_device"] = wait_for(ready.exists, 30)
         started = time.monotonic()
         release = subprocess.Popen(
-            cli_argv(config, "release", f"process:{vm.pid}"),
+            cli_argv(config, "release", "--force", f"process:{vm.pid}"),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
