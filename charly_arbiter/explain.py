@@ -144,8 +144,7 @@ def _stranded_why(lease: Lease, facts: Facts) -> str:
     if lease.state is not LeaseState.ACTIVE:
         writer = f" (pid {lease.owner.pid})" if lease.owner else ""
         return (
-            f"the process that was {lease.state} it{writer} is gone, "
-            "so the claim stopped half-way"
+            f"the process that was {lease.state} it{writer} is gone, so the claim stopped half-way"
         )
     return f"{lease.claimant} is not running any more"
 
