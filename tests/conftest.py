@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from charly_arbiter.arbiter import Arbiter
-from charly_arbiter.config import load_config
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.simhost import SimHost
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.config import load_config
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.host.sim import SimHost
 
 REPO = Path(__file__).resolve().parent.parent
 

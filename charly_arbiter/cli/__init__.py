@@ -33,7 +33,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["hook"]:
-        from charly_arbiter.hook import main as hook_main
+        from charly_arbiter.libvirt.hook import main as hook_main
 
         sys.exit(hook_main(args[1:]))
     from charly_arbiter.cli.app import build

@@ -32,7 +32,7 @@ class App:
 
     def config(self) -> Any:
         if "config" not in self._built:
-            from charly_arbiter.config import load_config
+            from charly_arbiter.core.config import load_config
 
             self._built["config"] = load_config(
                 self.config_path, state_dir=self.state_dir, host=self.host_spec
@@ -41,14 +41,14 @@ class App:
 
     def host(self) -> Any:
         if "host" not in self._built:
-            from charly_arbiter.hosts import open_host
+            from charly_arbiter.compose import open_host
 
             self._built["host"] = open_host(self.config())
         return self._built["host"]
 
     def ledger(self) -> Any:
         if "ledger" not in self._built:
-            from charly_arbiter.ledger import Ledger
+            from charly_arbiter.core.ledger import Ledger
 
             config = self.config()
             self._built["ledger"] = Ledger(config.state_dir, config.timeouts.lock_wait)
@@ -56,8 +56,8 @@ class App:
 
     def arbiter(self) -> Any:
         if "arbiter" not in self._built:
-            from charly_arbiter.arbiter import Arbiter
-            from charly_arbiter.eventlog import events_for
+            from charly_arbiter.core.arbiter import Arbiter
+            from charly_arbiter.ops.eventlog import events_for
 
             config = self.config()
             events = events_for(config, progress=True)

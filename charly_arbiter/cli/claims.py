@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
-from charly_arbiter.arbiter import Arbiter
 from charly_arbiter.cli.app import App
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.model import Mode
 from charly_arbiter.errors import ArbiterError
-from charly_arbiter.model import Mode
 
 
 @click.command()

@@ -12,9 +12,9 @@ from typing import Any
 
 import click
 
-from charly_arbiter import run
 from charly_arbiter.cli.app import App, vm_memory_option
 from charly_arbiter.errors import ArbiterError
+from charly_arbiter.host import run
 
 HOOK_PATH = Path("/etc/libvirt/hooks/qemu.d/charly-arbiter")
 
@@ -35,8 +35,8 @@ class Check:
 
 def host_checks(app: App, vm_memory: int) -> list[Check]:
     """IOMMU, vfio-pci, each token's group, nvidia-ctk and memlock (local host only)."""
-    from charly_arbiter.detect import detect, group_problems
-    from charly_arbiter.localhost import LocalHost
+    from charly_arbiter.host.detect import detect, group_problems
+    from charly_arbiter.host.local import LocalHost
 
     host = app.host()
     if not isinstance(host, LocalHost):

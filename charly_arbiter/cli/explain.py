@@ -6,10 +6,10 @@ from datetime import UTC, datetime
 
 import click
 
-from charly_arbiter import history
 from charly_arbiter.cli.app import App
-from charly_arbiter.explain import Facts, explain_claimant, explain_token
-from charly_arbiter.model import Claimant
+from charly_arbiter.core.model import Claimant
+from charly_arbiter.ops import history
+from charly_arbiter.ops.explain import Facts, explain_claimant, explain_token
 
 
 @click.command()

@@ -8,8 +8,8 @@ from typing import Any
 
 from invariants import HostFacts, assert_invariants, sim_facts
 
-from charly_arbiter.ledger import LEDGER, Ledger
-from charly_arbiter.model import LedgerState
+from charly_arbiter.core.ledger import LEDGER, Ledger
+from charly_arbiter.core.model import LedgerState
 
 REPO = Path(__file__).resolve().parent.parent.parent
 

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from charly_arbiter import arbiter as arbiter_module
-from charly_arbiter import crashpoints
-from charly_arbiter.arbiter import Arbiter
-from charly_arbiter.config import load_config
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import ProcessRef
-from charly_arbiter.simhost import SimHost
+from charly_arbiter.core import arbiter as arbiter_module
+from charly_arbiter.core import crashpoints
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.config import load_config
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import ProcessRef
+from charly_arbiter.host.sim import SimHost
 
 YIELDS = frozenset({"ledger.unlocked", "sleep"})
 STEP_TIMEOUT = 30.0

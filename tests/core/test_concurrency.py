@@ -61,9 +61,9 @@ import pytest
 from coretools import REPO, ledger_bytes, read_ledger
 from invariants import HostFacts, assert_converged, sim_facts, violations
 
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Lease, LeaseState, LedgerState, Mode
-from charly_arbiter.simhost import SimHost
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Lease, LeaseState, LedgerState, Mode
+from charly_arbiter.host.sim import SimHost
 
 TOKENS = ("gpu0", "gpu1", "gpu2", "gpu3")
 TOKEN_FUNCTIONS = {

@@ -11,9 +11,9 @@ import random
 import pytest
 from coretools import host_state, ledger_bytes
 
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Mode
 from charly_arbiter.errors import LedgerCorrupt
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Mode
 
 
 def with_checksum(body: bytes) -> bytes:

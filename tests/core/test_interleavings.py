@@ -16,9 +16,9 @@ from coretools import ALL_PREEMPTIBLE, HOLDER_REFS, HOME, TOKEN_FUNCTIONS
 from interleave import Outcome, World, errors_of, explore
 from invariants import assert_converged, assert_invariants, sim_facts
 
+from charly_arbiter.core.model import VFIO, LeaseState, Mode
+from charly_arbiter.core.releasing import Releaser
 from charly_arbiter.errors import ClaimRefused, LeaseInProgress
-from charly_arbiter.model import VFIO, LeaseState, Mode
-from charly_arbiter.releasing import Releaser
 
 CONFIG = """
 host = "sim:{root}/host"
@@ -326,7 +326,7 @@ def test_the_explorer_finds_a_planted_race(monkeypatch):
     """The harness can fail: with a new exclusive claim no longer taking over (or
     waiting for) the holders a release is bringing back — the pre-fix behaviour — some
     schedule breaks an invariant, and the explorer finds it."""
-    from charly_arbiter import planner
+    from charly_arbiter.core import planner
 
     monkeypatch.setattr(planner, "_take_over_pending_restarts", lambda *args: [])
     with pytest.raises(AssertionError, match=r"I1|I2|I3"):

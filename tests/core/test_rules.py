@@ -20,8 +20,8 @@ from coretools import (
     ledger_bytes,
 )
 
+from charly_arbiter.core.model import VFIO, LeaseState, Mode, StepState
 from charly_arbiter.errors import ClaimRefused, HolderError, SwitchFailed, TokenPoisoned
-from charly_arbiter.model import VFIO, LeaseState, Mode, StepState
 
 EXCL, SHARED = Mode.EXCLUSIVE, Mode.SHARED
 

@@ -25,13 +25,13 @@ from coretools import (
     read_ledger,
 )
 
-from charly_arbiter.arbiter import Arbiter
-from charly_arbiter.config import load_config
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.config import load_config
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import LeaseState, Mode, ProcessRef, StepState
 from charly_arbiter.errors import ClaimRefused
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import LeaseState, Mode, ProcessRef, StepState
-from charly_arbiter.procscan import process_ref
-from charly_arbiter.simhost import SimHost
+from charly_arbiter.host.procscan import process_ref
+from charly_arbiter.host.sim import SimHost
 
 PROC = Path("/proc")
 
@@ -146,7 +146,7 @@ def test_a_preempted_shared_claimant_is_not_reinstated_beside_a_new_exclusive_le
     arbiter.acquire("container:llm", Mode.SHARED, ["gpu0"])
     arbiter.acquire("libvirt:a", Mode.EXCLUSIVE, ["gpu0"])  # preempts container:llm
     sim.stopped("libvirt:a")
-    from charly_arbiter import crashpoints
+    from charly_arbiter.core import crashpoints
 
     def between(step: str) -> None:
         # After libvirt:a sent gpu0 home and before it brings container:llm back,

@@ -29,14 +29,14 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from charly_arbiter import crashpoints
-from charly_arbiter.arbiter import Arbiter
-from charly_arbiter.config import load_config
+from charly_arbiter.core import crashpoints
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.config import load_config
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import VFIO, LeaseState, Mode, ProcessRef
+from charly_arbiter.core.planner import blocks_token
 from charly_arbiter.errors import ClaimRefused
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import VFIO, LeaseState, Mode, ProcessRef
-from charly_arbiter.planner import blocks_token
-from charly_arbiter.simhost import SimHost
+from charly_arbiter.host.sim import SimHost
 
 CLAIMANTS = ("libvirt:a", "libvirt:b", "container:c", "container:d")
 TOKENS = ("gpu0", "gpu1")

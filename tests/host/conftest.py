@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from fakesys import FakeKernel, gpu_with_audio
 
-from charly_arbiter.config import Config, Timeouts, TokenConfig
-from charly_arbiter.holders import HolderRegistry
-from charly_arbiter.localhost import LocalHost
+from charly_arbiter.core.config import Config, Timeouts, TokenConfig
+from charly_arbiter.host.holders import HolderRegistry
+from charly_arbiter.host.local import LocalHost
 
 GPU = "0000:0a:00.0"
 AUDIO = "0000:0a:00.1"

@@ -285,7 +285,7 @@ def scenario_hung_switch_poisons(out: dict[str, Any]) -> None:
 
 def poison_reasons(name: str) -> dict[str, str]:
     """Read the ledger the way `status` does, without starting another interpreter."""
-    from charly_arbiter.ledger import Ledger
+    from charly_arbiter.core.ledger import Ledger
 
     reading = Ledger(Path("/run") / f"state-{name}").inspect()
     if reading.state is None:
@@ -319,11 +319,11 @@ def bench(out: dict[str, Any], cycles: int, block: int = 5) -> None:
     /proc holder scan, the holder sources) around the same switch.
     """
     sys.path.insert(0, str(REPO))
-    from charly_arbiter.arbiter import Arbiter
-    from charly_arbiter.config import load_config
-    from charly_arbiter.ledger import Ledger
-    from charly_arbiter.localhost import LocalHost
-    from charly_arbiter.model import Mode
+    from charly_arbiter.core.arbiter import Arbiter
+    from charly_arbiter.core.config import load_config
+    from charly_arbiter.core.ledger import Ledger
+    from charly_arbiter.core.model import Mode
+    from charly_arbiter.host.local import LocalHost
 
     script = Path("/run/bare.sh")
     script.write_text(

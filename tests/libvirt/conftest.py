@@ -242,9 +242,9 @@ class Libvirt:
         (STATE_DIR/libvirt-hooks, libvirt-acting); a lease mid-step whose owner
         lives; a test domain between "running" and "shut off".
         """
-        from charly_arbiter.hook import DETACHED
-        from charly_arbiter.ledger import Ledger
-        from charly_arbiter.model import LeaseState
+        from charly_arbiter.core.ledger import Ledger
+        from charly_arbiter.core.model import LeaseState
+        from charly_arbiter.libvirt.hook import DETACHED
 
         found = []
         state_dir = str(self.state_dir).encode()

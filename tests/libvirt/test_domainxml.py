@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from charly_arbiter.domainxml import (
+from charly_arbiter.core.model import Mode
+from charly_arbiter.libvirt.domainxml import (
     MAX_XML_BYTES,
     NAMESPACE,
     DomainXMLError,
@@ -15,7 +16,6 @@ from charly_arbiter.domainxml import (
     parse_domain,
     resolve_claim,
 )
-from charly_arbiter.model import Mode
 
 OWNER = {"0000:0a:00.0": "gpu0", "0000:0a:00.1": "gpu0", "0000:0b:00.0": "gpu1"}
 UUID = "4b20d080-1b54-4048-85b3-a6a62d165c01"

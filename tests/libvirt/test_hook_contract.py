@@ -22,8 +22,8 @@ from xml.sax.saxutils import escape
 
 import pytest
 
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Lease
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Lease
 from tests.conftest import DEFAULT_CONFIG, DEFAULT_HOST, SimEnv
 
 REPO = Path(__file__).resolve().parents[2]

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from charly_arbiter.config import Config, HolderConfig, Timeouts
+from charly_arbiter.core.config import Config, HolderConfig, Timeouts
+from charly_arbiter.core.host import PciFunction, TokenSpec
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState, StoppedHolder
 from charly_arbiter.errors import HolderError
-from charly_arbiter.holders.libvirt import ENV_HOOK_GUEST, LibvirtHolders, is_acting
-from charly_arbiter.host import PciFunction, TokenSpec
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Lease, LeaseState, Mode
+from charly_arbiter.libvirt.domains import ENV_HOOK_GUEST, LibvirtHolders, is_acting
 
 libvirt = pytest.importorskip("libvirt")
 
@@ -88,13 +88,35 @@ def test_shutdown_stop_and_unknown_domain(config: Config) -> None:
         source.start("libvirt:nosuchvm")
 
 
+def stopped_for(config: Config, holder: str) -> None:
+    """A lease of another claimant that records `holder` as stopped for it."""
+    record = StoppedHolder(holder, StepState.DONE, tokens=("gpu0",))
+    with Ledger(config.state_dir).transaction() as txn:
+        txn.state = txn.state.with_lease(
+            Lease(
+                "libvirt:other",
+                Mode.EXCLUSIVE,
+                ("gpu0",),
+                LeaseState.ACTIVE,
+                False,
+                "b",
+                "t",
+                stopped=(record,),
+            )
+        )
+
+
 def test_in_a_hook_the_own_domain_is_never_touched_nor_enumerated(config: Config) -> None:
-    """In a hook, candidates come from the ledger and the configuration only."""
+    """In a hook, candidates come from the ledger and the configuration only: the
+    holders the ledger records as stopped, never its claimants (a claim decides about
+    them by their leases, and a claimant may be locked by its own pending hook)."""
     with Ledger(config.state_dir).transaction() as txn:
         txn.state = txn.state.with_lease(
             Lease("libvirt:holder", Mode.SHARED, ("gpu0",), LeaseState.ACTIVE, False, "b", "t")
         )
     source = LibvirtHolders(config, environ={ENV_HOOK_GUEST: "passthrough"})
+    assert {holder.ref for holder in source.holders([GPU0])} == {"libvirt:listed"}
+    stopped_for(config, "libvirt:holder")
     refs = {holder.ref for holder in source.holders([GPU0])}
     assert refs == {"libvirt:holder", "libvirt:listed"}  # bystander and itself not asked
     assert source.is_running("libvirt:passthrough")
@@ -133,12 +155,9 @@ def test_with_libvirtd_unreachable_liveness_comes_from_qemu_processes(
 
 def test_a_domain_whose_hook_runs_is_never_looked_up(config: Config) -> None:
     """libvirt locks a domain while its hook runs: others take it as alive and leave it be."""
-    from charly_arbiter.holders.libvirt import HOOK_DIR, in_hook, marked
+    from charly_arbiter.libvirt.domains import HOOK_DIR, in_hook, marked
 
-    with Ledger(config.state_dir).transaction() as txn:
-        txn.state = txn.state.with_lease(
-            Lease("libvirt:holder", Mode.SHARED, ("gpu0",), LeaseState.ACTIVE, False, "b", "t")
-        )
+    stopped_for(config, "libvirt:holder")
     source = LibvirtHolders(config, environ={ENV_HOOK_GUEST: "passthrough"})
     with marked(config.state_dir, HOOK_DIR, "libvirt:listed"):
         assert in_hook(config.state_dir, "libvirt:listed")
