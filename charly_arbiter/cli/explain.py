@@ -22,7 +22,7 @@ def explain(app: App, subject: str) -> None:
     if is_claimant:
         subject = str(Claimant.parse(subject))
     else:
-        arbiter.resolve([subject])  # an unknown token is an error that lists the known ones
+        arbiter.tokens.resolve([subject])  # an unknown token is an error that lists the known ones
     status = arbiter.status()
     if status.corrupt:
         click.echo(f"The ledger is corrupt: {status.corrupt}.")

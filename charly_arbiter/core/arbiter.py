@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import Events, drivers_label
-from charly_arbiter.core.host import Blocker, Holder, Host, PciFunction, TokenSpec
+from charly_arbiter.core.host import Blocker, Holder, Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.liveness import claimant_liveness, stranded_claimants
 from charly_arbiter.core.model import (
@@ -41,12 +41,12 @@ from charly_arbiter.core.planner import (
     decide_claim,
 )
 from charly_arbiter.core.releasing import Releaser
+from charly_arbiter.core.tokens import TokenCatalogue
 from charly_arbiter.errors import (
     ArbiterError,
     ClaimantRunning,
     ClaimRefused,
     SwitchFailed,
-    UnknownToken,
 )
 
 log = logging.getLogger(__name__)
@@ -91,48 +91,7 @@ class Arbiter:
         # Written into in-progress leases; `restore` treats them as stranded
         # once this very process (pid and start time) is gone.
         self.owner = owner or host.current_process()
-        self._token_cache: dict[str, TokenSpec] | None = None
-
-    # -- tokens ----------------------------------------------------------------
-
-    def tokens(self) -> dict[str, TokenSpec]:
-        """Configured tokens, or every detected GPU named after its address."""
-        if self._token_cache is None:
-            specs: dict[str, TokenSpec] = {}
-            if self.config.tokens:
-                for token in self.config.tokens:
-                    functions = tuple(self.host.token_functions(token.name, token.address))
-                    specs[token.name] = TokenSpec(
-                        token.name, token.address, functions, token.home_driver, token.cdi
-                    )
-            else:
-                for gpu in self.host.gpus():
-                    functions = tuple(self.host.token_functions(gpu.address, gpu.address))
-                    specs[gpu.address] = TokenSpec(gpu.address, gpu.address, functions)
-            self._token_cache = specs
-        return self._token_cache
-
-    def resolve(self, names: Sequence[str]) -> list[TokenSpec]:
-        known = self.tokens()
-        missing = [name for name in names if name not in known]
-        if missing:
-            raise UnknownToken(missing[0], sorted(known))
-        return [known[name] for name in dict.fromkeys(names)]
-
-    def _resolve_fresh(self, names: Sequence[str]) -> list[TokenSpec]:
-        """Like `resolve`, with each function's driver as bound right now (the
-        cached specs keep the drivers seen when they were first built)."""
-        return [
-            replace(spec, functions=tuple(self.fresh_functions(spec)))
-            for spec in self.resolve(names)
-        ]
-
-    def token_for_address(self, address: str) -> str | None:
-        """The token one of whose functions is `address` (for claims read from XML)."""
-        for spec in self.tokens().values():
-            if any(function.address == address for function in spec.functions):
-                return spec.name
-        return None
+        self.tokens = TokenCatalogue(config, host)
 
     # -- deciding ------------------------------------------------------------------
 
@@ -147,7 +106,7 @@ class Arbiter:
     ) -> ClaimPlan:
         """Decide a claim against the live host and ledger, changing nothing."""
         claimant = str(Claimant.parse(claimant))
-        tokens = self._resolve_fresh(token_names)
+        tokens = self.tokens.reread(token_names)
         holders = self.host.holders(tokens)
         state = self.ledger.read()
         boot_id = self.host.boot_id()
@@ -193,9 +152,10 @@ class Arbiter:
         claimant = str(Claimant.parse(claimant))
         limit = self.config.timeouts.claim_wait if wait is None else wait
         deadline = time.monotonic() + limit
+        tokens = self.tokens.reread(token_names)
         while True:
             try:
-                return self._acquire_once(claimant, mode, token_names, transient, policy)
+                return self._acquire_once(claimant, mode, tokens, transient, policy)
             except ClaimRefused as refusal:
                 if not refusal.retry or time.monotonic() >= deadline:
                     self.events.emit(
@@ -204,16 +164,16 @@ class Arbiter:
                     raise
                 log.info("%s: %s; waiting", claimant, refusal.why)
             time.sleep(RETRY_INTERVAL)
+            tokens = self.tokens.reread(token_names)  # drivers may have moved meanwhile
 
     def _acquire_once(
         self,
         claimant: str,
         mode: Mode,
-        token_names: Sequence[str],
+        tokens: Sequence[TokenSpec],
         transient: bool,
         policy: Policy,
     ) -> ClaimPlan:
-        tokens = self._resolve_fresh(token_names)
         by_name = {token.name: token for token in tokens}
         # Outside the lock: these may ask libvirt, whose hooks call back in here.
         seen = self.ledger.read()
@@ -428,11 +388,12 @@ class Arbiter:
     def _stranded_unlocked(
         self, state: LedgerState, boot_id: str, alive: dict[str, bool] | None = None
     ) -> frozenset[str]:
+        if alive is None:
+            alive = claimant_liveness(self.host, state, boot_id)
         return stranded_claimants(
             state,
             boot_id,
             grace=self.config.timeouts.claim_grace,
-            is_running=self.host.is_running,
             process_alive=self.host.process_alive,
             alive=alive,
         )
@@ -442,7 +403,8 @@ class Arbiter:
         state = reading.state or LedgerState()
         stranded = self.stranded_claimants(state) if reading.state else frozenset()
         tokens = []
-        for spec in self.tokens().values():
+        self.tokens.refresh()  # one read of every token's functions, now
+        for spec in self.tokens.all().values():
             poison = state.poison_of(spec.name)
             holding = [lease for lease in state.leases if blocks_token(lease, spec.name)]
             mode = "unknown" if reading.corrupt else "idle"
@@ -461,7 +423,7 @@ class Arbiter:
                     name=spec.name,
                     address=spec.address,
                     mode=mode,
-                    drivers=tuple((f.address, f.driver) for f in self.fresh_functions(spec)),
+                    drivers=tuple((f.address, f.driver) for f in spec.functions),
                     poisoned=poison is not None,
                     reason=poison.reason if poison else "",
                     since=poison.since if poison else "",
@@ -484,15 +446,6 @@ class Arbiter:
             txn.state = txn.state.with_poison(token, None)
         self.events.emit("poison-cleared", token=token)
         return True
-
-    # -- helpers --------------------------------------------------------------------
-
-    def known_specs(self, names: Sequence[str]) -> list[TokenSpec]:
-        known = self.tokens()
-        return [known[name] for name in names if name in known]
-
-    def fresh_functions(self, token: TokenSpec) -> Sequence[PciFunction]:
-        return self.host.token_functions(token.name, token.address)
 
 
 def _runs_with_active_lease(

@@ -15,6 +15,7 @@ import errno
 import os
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -101,6 +102,58 @@ def remove_stray(path: Path) -> bool:
         raise StateDirUnsafe(path, "it is a directory where the arbiter writes a temporary file")
     path.unlink()
     return True
+
+
+def replace_file(
+    path: Path,
+    data: bytes,
+    *,
+    temp: Path,
+    mode: int = 0o600,
+    durable: bool = True,
+    before_replace: Callable[[], None] | None = None,
+    step: Callable[[str], None] | None = None,
+) -> None:
+    """Replace `path` with `data` in one step: a new `temp` (O_EXCL, never followed),
+    written whole, fsynced, renamed over `path`, and the directory fsynced.
+
+    A crash leaves the old file or the new one, never a mix.  An fsync error is
+    final for this write (after one, Linux may have dropped the dirty pages:
+    retrying could "succeed" with nothing on disk), so nothing is retried and
+    the old file stays.  `before_replace` runs just before the rename (the
+    ledger links its backup there); `step` is told each step's name, for crash
+    tests.  `durable=False` skips the fsyncs, for a simulation's own state.
+    """
+    mark = step or (lambda name: None)
+    mark("open_temp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        half = len(data) // 2
+        write_all(fd, data[:half])
+        mark("write_half")
+        write_all(fd, data[half:])
+        mark("write_all")
+        os.fchmod(fd, mode)
+        if durable:
+            os.fsync(fd)
+        mark("fsync_temp")
+    except BaseException:
+        os.close(fd)
+        temp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    try:
+        if before_replace is not None:
+            before_replace()
+        mark("backup")
+        os.replace(temp, path)
+        mark("rename")
+        if durable:
+            fsync_dir(path.parent)
+        mark("fsync_dir")
+    except OSError:
+        temp.unlink(missing_ok=True)
+        raise
 
 
 def write_all(fd: int, data: bytes) -> None:

@@ -156,43 +156,21 @@ class Ledger:
             data = ledger_format.encode(state)
         except ledger_format.FormatError as error:
             raise LedgerWriteFailed(self.path, str(error)) from error
-        temp = self.state_dir / TEMP
-        crashpoint("ledger.open_temp")
         try:
-            fd = os.open(
-                temp,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o600,
+            files.replace_file(
+                self.path,
+                data,
+                temp=self.state_dir / TEMP,
+                before_replace=self._link_backup_unlocked,
+                step=lambda name: crashpoint(f"ledger.{name}"),
             )
         except OSError as error:
-            raise LedgerWriteFailed(self.path, f"cannot create {temp}: {error}") from error
-        try:
-            half = len(data) // 2
-            files.write_all(fd, data[:half])
-            crashpoint("ledger.write_half")
-            files.write_all(fd, data[half:])
-            crashpoint("ledger.write_all")
-            os.fsync(fd)  # an fsync error is fatal for this write: no retry, no rename
-            crashpoint("ledger.fsync_temp")
-        except OSError as error:
-            os.close(fd)
-            temp.unlink(missing_ok=True)
-            raise LedgerWriteFailed(self.path, f"writing {temp} failed: {error}") from error
-        os.close(fd)
-        try:
-            if self.path.exists():
-                self._link_backup_unlocked()
-            crashpoint("ledger.backup")
-            os.replace(temp, self.path)
-            crashpoint("ledger.rename")
-            files.fsync_dir(self.state_dir)
-            crashpoint("ledger.fsync_dir")
-        except OSError as error:
-            temp.unlink(missing_ok=True)
-            raise LedgerWriteFailed(self.path, str(error)) from error
+            raise LedgerWriteFailed(self.path, f"{error.strerror or error}") from error
 
     def _link_backup_unlocked(self) -> None:
         """Make `.bak` the current generation without a moment where it is absent."""
+        if not self.path.exists():
+            return
         staging = self.state_dir / f"{BACKUP}.tmp"
         staging.unlink(missing_ok=True)
         os.link(self.path, staging)

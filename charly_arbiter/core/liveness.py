@@ -21,11 +21,12 @@ def claimant_liveness(host: Host, state: LedgerState | None, boot_id: str) -> di
     because the answer may come from libvirt, whose hooks call back in here."""
     if state is None:
         return {}
-    return {
-        lease.claimant: host.is_running(lease.claimant)
+    asked = [
+        lease.claimant
         for lease in state.leases
         if lease.state is LeaseState.ACTIVE and lease.boot_id == boot_id
-    }
+    ]
+    return host.are_running(asked) if asked else {}
 
 
 def stranded_claimants(
@@ -33,9 +34,8 @@ def stranded_claimants(
     boot_id: str,
     *,
     grace: float,
-    is_running: Callable[[str], bool],
     process_alive: Callable[[ProcessRef], bool],
-    alive: Mapping[str, bool] | None = None,
+    alive: Mapping[str, bool],
 ) -> frozenset[str]:
     """Leases from an earlier boot, of a dead writer, or of a claimant gone.
 
@@ -43,9 +43,10 @@ def stranded_claimants(
     time: a zombie, or another process that got its pid, is not it.
 
     A claimant may not run yet within `grace` seconds of its claim (a VM
-    between its prepare hook and its start).  With `alive` (asked before the
-    lock), a claimant it does not know (a lease written meanwhile) counts as
-    running, so the lock is never held across a question to libvirt.
+    between its prepare hook and its start).  `alive` says whether each
+    claimant runs (asked in one pass, before the lock); a claimant it does not
+    know (a lease written meanwhile) counts as running, so the lock is never
+    held across a question to libvirt.
     """
     stranded = set()
     for lease in state.leases:
@@ -57,10 +58,7 @@ def stranded_claimants(
                 stranded.add(lease.claimant)
         elif _young(lease, grace):
             continue
-        elif alive is not None:
-            if not alive.get(lease.claimant, True):
-                stranded.add(lease.claimant)
-        elif not is_running(lease.claimant):
+        elif not alive.get(lease.claimant, True):
             stranded.add(lease.claimant)
     return frozenset(stranded)
 

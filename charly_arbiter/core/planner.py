@@ -225,6 +225,10 @@ def _decide_exclusive(
         stops.append(StopStep(holder.ref, holder.how, tokens=holder.tokens))
     how = {holder.ref: holder.how for holder in holders}
     for ref, shared_tokens in preempted.items():
+        # A shared claimant is always preemptible, but a policy may still forbid
+        # stopping its kind (from a hook, a nested hook).
+        token = next(t for t in tokens if t.name in shared_tokens)
+        _refuse_by_policy(ref, "", claimant, token, policy)
         stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens, shared_tokens))
 
     switches = tuple(
@@ -355,14 +359,20 @@ def _refuse_unless_preemptible(
             f"it is in use by {holder.ref}{detail}, which is not preemptible",
             hint=f"stop {holder.ref} first, or mark it preemptible in arbiter.toml",
         )
-    kind = holder.ref.partition(":")[0]
+    _refuse_by_policy(holder.ref, detail, claimant, token, policy)
+
+
+def _refuse_by_policy(
+    ref: str, detail: str, claimant: str, token: TokenSpec, policy: Policy
+) -> None:
+    kind = ref.partition(":")[0]
     if kind in policy.refuse_kinds:
         raise ClaimRefused(
             _label(token),
             claimant,
-            f"it is in use by {holder.ref}{detail}, and this configuration does not stop "
+            f"it is in use by {ref}{detail}, and this configuration does not stop "
             f"{kind} holders from a hook",
-            hint=policy.refuse_hint.format(holder=holder.ref, claimant=claimant, token=token.name),
+            hint=policy.refuse_hint.format(holder=ref, claimant=claimant, token=token.name),
         )
 
 

@@ -128,7 +128,7 @@ class Releaser:
 
     def carry_out(self, claimant: str, lease: Lease) -> None:
         """Everything after the intent: tokens home, holders back, the lease gone."""
-        tokens = {spec.name: spec for spec in self.arbiter.known_specs(lease.tokens)}
+        tokens = {spec.name: spec for spec in self.arbiter.tokens.known(lease.tokens)}
         for name in lease.tokens:
             if lease.switch_state(name) is not StepState.DONE:
                 self._send_home(claimant, tokens.get(name))
@@ -238,7 +238,7 @@ class Releaser:
             log.warning("%s: poisoned, left where it is", token.name)
         else:
             home = home_map(state, token)
-            current = {f.address: f.driver for f in self.arbiter.fresh_functions(token)}
+            current = {f.address: f.driver for f in self.arbiter.tokens.functions_now(token)}
             targets = {
                 address: driver
                 for address, driver in home.items()

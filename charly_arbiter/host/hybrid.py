@@ -17,27 +17,29 @@ from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Blocker, Holder, Host, PciFunction, TokenSpec
 from charly_arbiter.core.model import ProcessRef
 from charly_arbiter.errors import HostError
-from charly_arbiter.host.holders import SOURCES, HolderRegistry
+from charly_arbiter.host.holders import HolderRegistry, SourceFactory
 from charly_arbiter.host.sim import SimHost
 
 
-def open_sim(config: Config) -> Host:
-    """The simulated host named by `config.host`, with real holders where it says so."""
+def open_sim(config: Config, sources: Mapping[str, SourceFactory]) -> Host:
+    """The simulated host named by `config.host`, with real holders where it says so
+    (`sources` are the real holder kinds it may ask for)."""
     directory = Path(config.host.removeprefix("sim:"))
     sim = SimHost(directory, config.timeouts.driver_switch)
-    kinds = real_holder_kinds(directory / "host.toml")
-    return HybridHost(sim, HolderRegistry(config, kinds)) if kinds else sim
+    kinds = real_holder_kinds(directory / "host.toml", sources)
+    if not kinds:
+        return sim
+    return HybridHost(sim, HolderRegistry(config, {kind: sources[kind] for kind in kinds}))
 
 
-def real_holder_kinds(path: Path) -> tuple[str, ...]:
+def real_holder_kinds(path: Path, sources: Mapping[str, SourceFactory]) -> tuple[str, ...]:
     try:
         with path.open("rb") as handle:
             kinds = tomllib.load(handle).get("real_holders", [])
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise HostError(f"cannot read the simulated host {path}: {error}") from error
-    unknown = [kind for kind in kinds if kind not in SOURCES]
-    if not isinstance(kinds, list) or unknown:
-        raise HostError(f"{path}: real_holders must list kinds among {', '.join(SOURCES)}")
+    if not isinstance(kinds, list) or any(kind not in sources for kind in kinds):
+        raise HostError(f"{path}: real_holders must list kinds among {', '.join(sources)}")
     return tuple(str(kind) for kind in kinds)
 
 
@@ -71,6 +73,10 @@ class HybridHost:
             return self.real.for_ref(ref).is_running(ref)
         return self.sim.is_running(ref)
 
+    def are_running(self, refs: Sequence[str]) -> dict[str, bool]:
+        simulated = self.sim.are_running([ref for ref in refs if not self._is_real(ref)])
+        return {ref: simulated[ref] if ref in simulated else self.is_running(ref) for ref in refs}
+
     def stop(self, ref: str) -> None:
         if self._is_real(ref):
             self.real.for_ref(ref).stop(ref)
@@ -96,8 +102,5 @@ class HybridHost:
         self.sim.regenerate_cdi(token)
 
     def close(self) -> None:
-        for kind in self.real.kinds:
-            close = getattr(self.real.source(kind), "close", None)
-            if close is not None:
-                close()
+        self.real.close()
         self.sim.close()

@@ -3,7 +3,7 @@
 PCI functions and driver switching go through `sysfs.Sysfs`/`Switcher`,
 device-holding processes through `holders.process`, and every other holder
 kind (systemd units, containers, libvirt domains) through the
-`HolderRegistry`, which imports each source only when a ref of its kind comes
+`HolderRegistry`, which builds each source only when a ref of its kind comes
 up.  The /sys, /proc and /dev roots are constructor parameters, so the same
 code runs against a fake tree in tests and the real one in a VM.
 """
@@ -20,8 +20,8 @@ from charly_arbiter.core.host import Blocker, Holder, PciFunction, TokenSpec, co
 from charly_arbiter.core.model import VFIO, ProcessRef
 from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed
 from charly_arbiter.host import run
-from charly_arbiter.host.childwrite import Writer
-from charly_arbiter.host.holders import SOURCES, HolderRegistry, HolderSource
+from charly_arbiter.host.blocking import Writer
+from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory
 from charly_arbiter.host.holders.process import ProcessHolders
 from charly_arbiter.host.nvml import Nvml
 from charly_arbiter.host.procscan import process_alive, process_ref
@@ -46,7 +46,7 @@ class LocalHost:
         writer: Writer = default_writer,
         cdi_spec: Path = CDI_SPEC,
         modules_root: Path = MODULES_ROOT,
-        registry: HolderRegistry | None = None,
+        sources: Mapping[str, SourceFactory] | None = None,
         isolate_writes: bool = True,
     ) -> None:
         self.config = config
@@ -64,8 +64,9 @@ class LocalHost:
             isolate=isolate_writes,
         )
         self.processes = ProcessHolders(config, self.sysfs, proc_root, dev_root)
-        other_kinds = tuple(kind for kind in SOURCES if kind != ProcessHolders.kind)
-        self.registry = registry or HolderRegistry(config, other_kinds)
+        # Processes are this host's own; every other kind comes from `sources`.
+        others = {k: f for k, f in (sources or {}).items() if k != ProcessHolders.kind}
+        self.registry = HolderRegistry(config, others)
         self.nvml = Nvml()
 
     def boot_id(self) -> str:
@@ -157,6 +158,9 @@ class LocalHost:
     def is_running(self, ref: str) -> bool:
         return self.source(ref).is_running(ref)
 
+    def are_running(self, refs: Sequence[str]) -> dict[str, bool]:
+        return {ref: self.is_running(ref) for ref in refs}
+
     def stop(self, ref: str) -> None:
         self.source(ref).stop(ref)
 
@@ -181,6 +185,7 @@ class LocalHost:
     def close(self) -> None:
         self.nvml.close()
         self.switcher.close()
+        self.registry.close()
 
 
 def _modprobe(module: str) -> None:

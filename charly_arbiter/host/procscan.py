@@ -8,7 +8,7 @@ is being read is skipped: the scan is a snapshot, repeated before every claim.
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,15 +28,10 @@ def scan(proc_root: Path, nodes: Collection[str], exclude: Collection[int] = ())
     if not wanted:
         return []
     found: list[OpenNode] = []
-    try:
-        entries = [entry for entry in os.listdir(proc_root) if entry.isdigit()]
-    except OSError:
-        return []
-    for entry in sorted(entries, key=int):
-        pid = int(entry)
+    for pid in _pids(proc_root):
         if pid in exclude:
             continue
-        fd_dir = proc_root / entry / "fd"
+        fd_dir = proc_root / str(pid) / "fd"
         try:
             fds = os.listdir(fd_dir)
         except OSError:
@@ -52,6 +47,26 @@ def scan(proc_root: Path, nodes: Collection[str], exclude: Collection[int] = ())
         for node in sorted(held):
             found.append(OpenNode(pid, command_name(proc_root, pid), node))
     return found
+
+
+def command_lines(proc_root: Path, wanted: Callable[[list[bytes]], bool]) -> list[int]:
+    """The pids whose command line (its arguments, as bytes) `wanted` accepts."""
+    found = []
+    for entry in _pids(proc_root):
+        try:
+            arguments = (proc_root / str(entry) / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if wanted(arguments):
+            found.append(entry)
+    return found
+
+
+def _pids(proc_root: Path) -> list[int]:
+    try:
+        return sorted(int(entry) for entry in os.listdir(proc_root) if entry.isdigit())
+    except OSError:
+        return []
 
 
 def command_name(proc_root: Path, pid: int) -> str:

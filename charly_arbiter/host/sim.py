@@ -10,7 +10,6 @@ under its own lock, so that separate processes see each other's effects.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from charly_arbiter.core import files
 from charly_arbiter.core.host import (
     NO_DRIVER,
     Blocker,
@@ -30,15 +30,16 @@ from charly_arbiter.core.host import (
     common_blocker,
 )
 from charly_arbiter.core.model import VFIO, ProcessRef
-from charly_arbiter.errors import HolderError, HostError, SwitchFailed
+from charly_arbiter.errors import HolderError, HostError, SwitchFailed, SwitchHung
+from charly_arbiter.host.blocking import TimedOut, bounded
 from charly_arbiter.host.procscan import process_alive, process_ref
-from charly_arbiter.host.watchdog import run_with_timeout
 
 log = logging.getLogger(__name__)
 
 BRIDGE_CLASS = "0604"
 # The simulated host's processes (the CLI, the hooks) are real processes.
 PROC_ROOT = Path("/proc")
+STATE_LOCK_WAIT = 60.0
 
 
 class SimHost:
@@ -46,6 +47,7 @@ class SimHost:
         self.directory = directory
         self.switch_timeout = switch_timeout
         self.description = f"sim:{directory}"
+        self._parsed: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
         if not (directory / "host.toml").is_file():
             raise HostError(
                 f"the simulated host {directory} has no host.toml",
@@ -55,13 +57,18 @@ class SimHost:
     # -- description and state ---------------------------------------------------
 
     def _description(self) -> dict[str, Any]:
+        """host.toml, parsed again only when it changed (a test may inject a fault
+        mid-scenario; a command asks a dozen times)."""
         path = self.directory / "host.toml"
         try:
-            with path.open("rb") as handle:
-                description: dict[str, Any] = tomllib.load(handle)
-                return description
+            info = path.stat()
+            key = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+            if self._parsed is None or self._parsed[0] != key:
+                with path.open("rb") as handle:
+                    self._parsed = (key, tomllib.load(handle))
         except (OSError, tomllib.TOMLDecodeError) as error:
             raise HostError(f"cannot read the simulated host {path}: {error}") from error
+        return self._parsed[1]
 
     def _devices(self) -> list[dict[str, Any]]:
         return list(self._description().get("devices", []))
@@ -71,20 +78,20 @@ class SimHost:
 
     @contextlib.contextmanager
     def _state(self) -> Iterator[dict[str, Any]]:
-        """The mutable state, locked; written back atomically when the block ends."""
-        lock = os.open(self.directory / "state.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        """The mutable state, locked; written back atomically when the block ends (not
+        durably: a simulation's state need not survive a power cut)."""
+        with open(self.directory / "state.lock", "a+") as lock:
+            if not files.lock_within(lock, STATE_LOCK_WAIT):
+                raise HostError(f"{self.directory / 'state.lock'} stayed locked")
             path = self.directory / "state.json"
             state = json.loads(path.read_text()) if path.exists() else self._fresh_state()
             before = json.dumps(state, sort_keys=True) if path.exists() else ""
             yield state
             if json.dumps(state, sort_keys=True) != before:
-                temp = path.with_suffix(".tmp")
-                temp.write_text(json.dumps(state, indent=1, sort_keys=True))
-                os.replace(temp, path)
-        finally:
-            os.close(lock)
+                text = json.dumps(state, indent=1, sort_keys=True).encode()
+                temp = path.with_suffix(".tmp")  # under the lock: a fixed name is safe
+                temp.unlink(missing_ok=True)
+                files.replace_file(path, text, temp=temp, durable=False)
 
     def _fresh_state(self) -> dict[str, Any]:
         return {
@@ -151,9 +158,12 @@ class SimHost:
             device = devices.get(address, {})
             if device.get("hang_switch"):
                 # Like unbinding nvidia while something holds it: the write never returns.
-                run_with_timeout(
-                    lambda: time.sleep(3600), self.switch_timeout, address, driver, "unbind"
-                )
+                try:
+                    bounded(lambda: time.sleep(3600), self.switch_timeout, f"sysfs {address}")
+                except TimedOut:
+                    raise SwitchHung(
+                        address, driver or "home", "unbind", self.switch_timeout
+                    ) from None
             if device.get("fail_switch"):
                 raise SwitchFailed(address, driver or "home", "verify", "simulated failure")
         with self._state() as state:
@@ -190,10 +200,12 @@ class SimHost:
         return found
 
     def is_running(self, ref: str) -> bool:
+        return self.are_running([ref])[ref]
+
+    def are_running(self, refs: Sequence[str]) -> dict[str, bool]:
         with self._state() as state:
-            if ref in state["running"]:
-                return bool(state["running"][ref])
-            return bool(state["unknown_alive"])
+            running, unknown = state["running"], bool(state["unknown_alive"])
+            return {ref: bool(running[ref]) if ref in running else unknown for ref in refs}
 
     def stop(self, ref: str) -> None:
         self._set_running(ref, False, "fail_stop", "stop")

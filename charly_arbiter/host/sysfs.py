@@ -11,8 +11,8 @@ all or none: a failure undoes only the functions this call changed.
 
 Every write that can block in the kernel (unbinding `nvidia` while anything
 holds the GPU; unbinding `vfio-pci` while a VM has the device open) runs under
-`watchdog.run_with_timeout`, and with `isolate` it is made by a helper process
-(`childwrite`), so that a write stuck in the kernel strands the helper, not the
+`blocking.bounded`, and with `isolate` it is made by a helper process
+(`blocking.ChildWriter`), so that a write stuck in the kernel strands the helper, not the
 caller's process.  A write that hangs marks its device hung: no more writes go
 to it from this process, no undo is attempted on the token, and the caller gets
 `SwitchHung` at once, for the arbiter to poison the token.
@@ -31,14 +31,27 @@ from charly_arbiter.core.host import NO_DRIVER, PciFunction
 from charly_arbiter.core.model import VFIO
 from charly_arbiter.core.pci import parse_address
 from charly_arbiter.errors import HostError, SwitchFailed, SwitchHung
-from charly_arbiter.host.childwrite import ChildWriter, Writer
-from charly_arbiter.host.watchdog import run_with_timeout
+from charly_arbiter.host.blocking import ChildWriter, TimedOut, Writer, bounded
 
 log = logging.getLogger(__name__)
 
 SYS_ROOT = Path("/sys")
 PROC_ROOT = Path("/proc")
 DEV_ROOT = Path("/dev")
+RUN_ROOT = Path("/run")
+
+
+@dataclass(frozen=True)
+class Roots:
+    """Where the kernel's file systems are: the only place that spells /sys, /proc,
+    /dev and /run.  Tests and a real kernel under QEMU pass other roots."""
+
+    sys: Path = SYS_ROOT
+    proc: Path = PROC_ROOT
+    dev: Path = DEV_ROOT
+    run: Path = RUN_ROOT
+
+
 BRIDGE_CLASS = "0604"
 _POLL = 0.005
 
@@ -294,8 +307,8 @@ class Switcher:
 
         label = target or "home"
         try:
-            run_with_timeout(act, self.timeout, address, label, step[0])
-        except SwitchHung:
+            bounded(act, self.timeout, f"sysfs {address} {step[0]}")
+        except TimedOut:
             self.hung[address] = step[0]
             log.error("%s: writing %s did not return within %g s", address, step[0], self.timeout)
             raise SwitchHung(address, label, step[0], self.timeout) from None

@@ -3,7 +3,7 @@
 Three rules make calling libvirt from inside a hook safe (docs/libvirt.md has
 the evidence from a real libvirtd):
 
-- Never touch the hook's own domain (`ENV_HOOK_GUEST`), and never enumerate
+- Never touch the hook's own domain (`subject`), and never enumerate
   domains while in a hook: libvirt holds the hook's domain locked, and every
   enumeration (`listAllDomains`, even `listDomainsID`) waits on that lock until
   the hook exits.  In a hook the candidates are named by the ledger and the
@@ -23,20 +23,18 @@ libvirt-python is imported on first use, never by the hook's fast path.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import os
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
-from charly_arbiter.core.model import ProcessRef
 from charly_arbiter.errors import ArbiterError, HolderError, HostError, LedgerCorrupt
-from charly_arbiter.host.procscan import process_alive, process_ref
+from charly_arbiter.host.blocking import TimedOut, bounded
+from charly_arbiter.host.markers import ACTING_DIR, in_hook, marked
+from charly_arbiter.host.procscan import command_lines
 from charly_arbiter.libvirt.domainxml import (
     DomainXMLError,
     mdev_parent,
@@ -47,9 +45,6 @@ from charly_arbiter.libvirt.domainxml import (
 log = logging.getLogger(__name__)
 
 KIND = "libvirt"
-ENV_HOOK_GUEST = "CHARLY_ARBITER_HOOK_GUEST"  # set by the hook: the domain it is about
-ACTING_DIR = "libvirt-acting"  # domains this arbiter is stopping or starting
-HOOK_DIR = "libvirt-hooks"  # domains whose own hook runs now
 DEFAULT_SYSFS = Path("/sys")
 DEFAULT_PROC = Path("/proc")
 POLL_SECONDS = 0.2
@@ -63,14 +58,15 @@ class LibvirtHolders:
     def __init__(
         self,
         config: Config,
-        environ: Mapping[str, str] = os.environ,
+        subject: str | None = None,
         sysfs_root: Path = DEFAULT_SYSFS,
         proc_root: Path = DEFAULT_PROC,
     ) -> None:
+        """`subject` is the domain whose hook this process runs in (None outside a hook)."""
         self.config = config
         self.uri = config.libvirt_uri
         self.timeout = config.timeouts.libvirt_call
-        self.subject = environ.get(ENV_HOOK_GUEST) or None
+        self.subject = subject or None
         self.sysfs_root = sysfs_root
         self.proc_root = proc_root
         self.configured: dict[str, HolderConfig] = {
@@ -265,27 +261,16 @@ class LibvirtHolders:
     def _call(
         self, ref: str, action: str, call: Callable[[], T], timeout: float | None = None
     ) -> T:
-        """Run one libvirt call in a thread and give up on it after `timeout`."""
+        """One libvirt call, given up on after `timeout` (its thread is abandoned)."""
         limit = timeout or self.timeout
-        outcome: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                outcome["value"] = call()
-            except Exception as error:
-                outcome["error"] = error
-
-        worker = threading.Thread(target=target, name=f"libvirt {action}", daemon=True)
-        worker.start()
-        worker.join(limit)
-        if worker.is_alive():
-            raise HolderError(ref, action, f"libvirt did not answer within {limit:g} s")
-        if "error" in outcome:
-            error = outcome["error"]
-            if isinstance(error, ArbiterError):
-                raise error
+        try:
+            return bounded(call, limit, f"libvirt {action}")
+        except TimedOut:
+            raise HolderError(ref, action, f"libvirt did not answer within {limit:g} s") from None
+        except ArbiterError:
+            raise
+        except Exception as error:
             raise HolderError(ref, action, str(error).strip() or type(error).__name__) from error
-        return outcome["value"]  # type: ignore[no-any-return]
 
     def _wait_inactive(self, ref: str, domain: Any, budget: float) -> bool:
         deadline = time.monotonic() + budget
@@ -303,16 +288,9 @@ class LibvirtHolders:
 
     def _qemu_process_alive(self, name: str) -> bool:
         """Whether a QEMU process runs for `name` (`-name guest=NAME,...` on its command line)."""
-        for entry in self.proc_root.iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                arguments = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if any(_guest_option(argument) == name for argument in arguments):
-                return True
-        return False
+        return bool(
+            command_lines(self.proc_root, lambda argv: any(_guest_option(a) == name for a in argv))
+        )
 
 
 def _guest_option(argument: bytes) -> str | None:
@@ -329,46 +307,6 @@ def _guest_option(argument: bytes) -> str | None:
         name.append(text[index])
         index += 1
     return "".join(name)
-
-
-def is_acting(state_dir: Path, ref: str) -> bool:
-    """Whether a live arbiter process is stopping or starting `ref` right now."""
-    return _marked_by_live_process(state_dir / ACTING_DIR / _marker_name(ref))
-
-
-def in_hook(state_dir: Path, ref: str) -> bool:
-    """Whether `ref`'s own hook is running now (libvirt holds that domain locked)."""
-    return _marked_by_live_process(state_dir / HOOK_DIR / _marker_name(ref))
-
-
-@contextlib.contextmanager
-def marked(state_dir: Path, kind: str, ref: str) -> Iterator[None]:
-    """A file naming this process, for as long as the block runs (see is_acting, in_hook)."""
-    state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    directory = state_dir / kind
-    directory.mkdir(mode=0o700, exist_ok=True)
-    marker = directory / _marker_name(ref)
-    me = process_ref(DEFAULT_PROC, os.getpid()) or ProcessRef(os.getpid())
-    marker.write_text(f"{me.pid} {me.start}")
-    try:
-        yield
-    finally:
-        marker.unlink(missing_ok=True)
-
-
-def _marked_by_live_process(marker: Path) -> bool:
-    """Whether the process that wrote the marker still runs (not a reuse of its pid)."""
-    try:
-        pid, _, start = marker.read_text().strip().partition(" ")
-        writer = ProcessRef(int(pid), int(start or "0"))
-    except (OSError, ValueError):
-        return False
-    return process_alive(DEFAULT_PROC, writer)
-
-
-def _marker_name(ref: str) -> str:
-    """A file name for `ref` that never carries the (untrusted) domain name itself."""
-    return hashlib.sha256(ref.encode()).hexdigest()[:32]
 
 
 def _name(ref: str) -> str:

@@ -81,11 +81,6 @@ class DomainClaim:
     stop: str | None = None
 
 
-def might_claim(xml: bytes) -> bool:
-    """A byte scan that clears most domains without parsing: no hostdev, no claim element."""
-    return b"hostdev" in xml or NAMESPACE.encode() in xml
-
-
 def parse_domain(xml: bytes, domain: str = "?") -> DomainFacts:
     """Parse a domain XML document; raises `DomainXMLError` for anything unsafe or malformed."""
     if len(xml) > MAX_XML_BYTES:

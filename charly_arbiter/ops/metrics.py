@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from charly_arbiter.core import files
 from charly_arbiter.core.arbiter import Status
 from charly_arbiter.core.model import Mode
 from charly_arbiter.errors import ArbiterError
@@ -178,21 +179,5 @@ def write_atomically(path: Path, data: bytes) -> None:
     file; the file is world-readable because node_exporter does not run as root.
     """
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fchmod(fd, 0o644)
-        os.fsync(fd)
-    except OSError:
-        os.close(fd)
-        temp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(temp, path)
-    directory = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    temp.unlink(missing_ok=True)
+    files.replace_file(path, data, temp=temp, mode=0o644)

@@ -39,8 +39,8 @@ def compare(arbiter: Arbiter) -> Comparison:
     except LedgerCorrupt as error:
         backup, problem = None, error.why
     drivers = {
-        spec.name: {f.address: f.driver for f in arbiter.fresh_functions(spec)}
-        for spec in arbiter.tokens().values()
+        spec.name: {f.address: f.driver for f in spec.functions}
+        for spec in arbiter.tokens.all().values()
     }
     on_vfio = tuple(name for name, found in drivers.items() if VFIO in found.values())
     lines: list[str] = []

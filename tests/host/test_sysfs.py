@@ -189,7 +189,7 @@ def test_the_watchdog_thread_is_abandoned_not_joined(kernel):
 
 
 def test_child_writer_writes_in_one_reused_helper_and_reports_its_errno(tmp_path):
-    from charly_arbiter.host.childwrite import ChildWriter
+    from charly_arbiter.host.blocking import ChildWriter
 
     def record(path: Path, text: str) -> None:
         if text == "busy":
@@ -215,7 +215,7 @@ def test_child_writer_writes_in_one_reused_helper_and_reports_its_errno(tmp_path
 
 
 def test_a_dead_helper_is_reported_and_replaced(tmp_path):
-    from charly_arbiter.host.childwrite import ChildWriter
+    from charly_arbiter.host.blocking import ChildWriter
 
     def record(path: Path, text: str) -> None:
         if text == "die":

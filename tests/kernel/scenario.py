@@ -332,7 +332,7 @@ def bench(out: dict[str, Any], cycles: int, block: int = 5) -> None:
     config = load_config(make_config("bench"), environ={})
     host = LocalHost(config)
     arbiter = Arbiter(config, host, Ledger(config.state_dir, 30))
-    token = arbiter.tokens()["gpu"]
+    token = arbiter.tokens.all()["gpu"]
     to_vfio = {GPU: "vfio-pci", AUDIO: "vfio-pci"}
     claimant = sleeper()
     ref = f"process:{claimant.pid}"

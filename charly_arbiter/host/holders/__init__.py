@@ -2,27 +2,19 @@
 
 `LocalHost` answers holder questions by asking each source in turn; a source
 says which refs it owns (by kind) and implements discovery, liveness, stop and
-start for them.  Sources are imported only when a ref of their kind comes up,
-so the hook's path for a domain with no claim never imports libvirt.
+start for them.  The sources are handed in as factories (by `compose`, which
+also knows libvirt's): each is built only when a ref of its kind comes up, so
+the hook's path for a domain with no claim never imports libvirt.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
 from charly_arbiter.errors import HostError
-
-# kind -> "module:class"; each class is built with (config) and implements HolderSource.
-SOURCES = {
-    "process": "charly_arbiter.host.holders.process:ProcessHolders",
-    "systemd": "charly_arbiter.host.holders.systemd:SystemdHolders",
-    "container": "charly_arbiter.host.holders.container:ContainerHolders",
-    "libvirt": "charly_arbiter.libvirt.domains:LibvirtHolders",
-}
 
 
 class HolderSource(Protocol):
@@ -68,22 +60,31 @@ def listed_holders(
     return found
 
 
+SourceFactory = Callable[[Config], HolderSource]
+
+
 class HolderRegistry:
     """Builds each kind's source on first use and routes a ref to it by its kind."""
 
-    def __init__(self, config: Config, kinds: Sequence[str] = tuple(SOURCES)) -> None:
+    def __init__(self, config: Config, factories: Mapping[str, SourceFactory]) -> None:
         self.config = config
-        self.kinds = tuple(kinds)
+        self.factories = dict(factories)
+        self.kinds = tuple(self.factories)
         self._sources: dict[str, HolderSource] = {}
 
     def source(self, kind: str) -> HolderSource | None:
-        if kind not in self.kinds:
+        factory = self.factories.get(kind)
+        if factory is None:
             return None
         if kind not in self._sources:
-            module, _, name = SOURCES[kind].partition(":")
-            factory = getattr(importlib.import_module(module), name)
             self._sources[kind] = factory(self.config)
         return self._sources[kind]
+
+    def close(self) -> None:
+        for source in self._sources.values():
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
 
     def for_ref(self, ref: str) -> HolderSource:
         kind = ref.partition(":")[0]

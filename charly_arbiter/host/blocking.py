@@ -1,18 +1,22 @@
-"""Sysfs writes that can block forever, done by a helper process instead of by us.
+"""Calls that may never return, bounded: one way for every one of them.
 
-A write stuck in the kernel (nvidia's remove waiting for its last user,
-vfio-pci's waiting for the VM to let go) cannot be interrupted, and a process
-cannot finish exiting while one of its threads is stuck in one: the CLI, or a
-libvirt hook whose pipes libvirt reads to the end, would stay until the kernel
-lets go.  Seen on a real kernel.  So the writes go to a helper forked from this
-process: when one hangs, only the helper is stranded; the watchdog gives up on
-it and this process exits normally.
+Some things the arbiter does can block forever: unbinding `nvidia` while
+anything holds the GPU, unbinding `vfio-pci` while a VM has the device open, a
+libvirt call while libvirtd holds a lock.  `bounded` runs such a call in a
+daemon thread and gives up on it after its deadline: the caller gets
+`TimedOut` and goes on, and the stuck thread is abandoned (a thread blocked in
+the kernel cannot be cancelled, but nobody waits for it).
 
-The helper is forked once and reused (a fork per write costs more than the
-write itself on slow machines); one that is still busy is never reused, so
-after a hang the next write gets a fresh helper.  The helper keeps nothing
-open but its two pipes (stdio goes to /dev/null, the ledger lock is closed),
-and answers each request with the write's errno.
+A sysfs write stuck in the kernel is worse: a process cannot finish exiting
+while one of its threads is stuck in one, so the CLI, or a libvirt hook whose
+pipes libvirt reads to the end, would stay until the kernel lets go (seen on
+a real kernel).  So those writes go to a helper process forked from this one
+(`ChildWriter`): when one hangs, only the helper is stranded.  The helper is
+forked once and reused (a fork per write costs more than the write itself on
+slow machines); one that is still busy is never reused, so after a hang the
+next write gets a fresh helper.  It keeps nothing open but its two pipes
+(stdio goes to /dev/null, the ledger lock is closed) and answers each request
+with the write's errno.
 """
 
 from __future__ import annotations
@@ -23,7 +27,39 @@ import struct
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
+
+T = TypeVar("T")
+
+
+class TimedOut(Exception):
+    """A bounded call did not return within its deadline (its thread is abandoned)."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        super().__init__(f"{name} did not return within {timeout:g} s")
+        self.timeout = timeout
+
+
+def bounded(action: Callable[[], T], timeout: float, name: str) -> T:
+    """`action()`, or `TimedOut` after `timeout` seconds; its own exception is re-raised."""
+    outcome: list[T] = []
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            outcome.append(action())
+        except BaseException as error:  # handed to the caller below
+            failure.append(error)
+
+    worker = threading.Thread(target=target, name=name, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise TimedOut(name, timeout)
+    if failure:
+        raise failure[0]
+    return outcome[0]
+
 
 Writer = Callable[[Path, str], None]
 _HEADER = struct.Struct("=i")
