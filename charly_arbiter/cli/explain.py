@@ -20,7 +20,7 @@ def explain(app: App, subject: str) -> None:
     arbiter = app.arbiter()
     is_claimant = ":" in subject
     if is_claimant:
-        subject = str(Claimant.parse(subject))
+        subject = Claimant.parse(subject)
     else:
         arbiter.tokens.resolve([subject])  # an unknown token is an error that lists the known ones
     status = arbiter.status()

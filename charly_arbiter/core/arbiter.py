@@ -105,14 +105,14 @@ class Arbiter:
         policy: Policy = NO_POLICY,
     ) -> ClaimPlan:
         """Decide a claim against the live host and ledger, changing nothing."""
-        claimant = str(Claimant.parse(claimant))
+        ref = Claimant.parse(claimant)
         tokens = self.tokens.reread(token_names)
         holders = self.host.holders(tokens)
         state = self.ledger.read()
         boot_id = self.host.boot_id()
         return decide_claim(
             state,
-            claimant,
+            ref,
             mode,
             tokens,
             holders,
@@ -149,26 +149,26 @@ class Arbiter:
         destroyed and started at once waits for its own release instead of
         being refused or, worse, finding its old lease and starting without one.
         """
-        claimant = str(Claimant.parse(claimant))
+        ref = Claimant.parse(claimant)
         limit = self.config.timeouts.claim_wait if wait is None else wait
         deadline = time.monotonic() + limit
         tokens = self.tokens.reread(token_names)
         while True:
             try:
-                return self._acquire_once(claimant, mode, tokens, transient, policy)
+                return self._acquire_once(ref, mode, tokens, transient, policy)
             except ClaimRefused as refusal:
                 if not refusal.retry or time.monotonic() >= deadline:
                     self.events.emit(
-                        "refused", claimant=claimant, token=",".join(token_names), why=str(refusal)
+                        "refused", claimant=ref, token=",".join(token_names), why=str(refusal)
                     )
                     raise
-                log.info("%s: %s; waiting", claimant, refusal.why)
+                log.info("%s: %s; waiting", ref, refusal.why)
             time.sleep(RETRY_INTERVAL)
             tokens = self.tokens.reread(token_names)  # drivers may have moved meanwhile
 
     def _acquire_once(
         self,
-        claimant: str,
+        claimant: Claimant,
         mode: Mode,
         tokens: Sequence[TokenSpec],
         transient: bool,
@@ -275,7 +275,7 @@ class Arbiter:
         ).owned_by(self.owner)
         return state.with_lease(lease)
 
-    def _stop_holders(self, claimant: str, plan: ClaimPlan) -> None:
+    def _stop_holders(self, claimant: Claimant, plan: ClaimPlan) -> None:
         for step in plan.stops:
             self.events.emit("stopping", claimant=claimant, holder=step.holder, how=step.how)
             crashpoint("acquire.stop")
@@ -285,14 +285,16 @@ class Arbiter:
             self._record_stop(claimant, step.holder, StepState.DONE)
             self.events.emit("preempted", claimant=claimant, holder=step.holder, how=step.how)
 
-    def _record_stop(self, claimant: str, holder: str, step: StepState) -> None:
+    def _record_stop(self, claimant: Claimant, holder: Claimant, step: StepState) -> None:
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
                 record = next(r for r in lease.stopped if r.holder == holder)
                 txn.state = txn.state.with_lease(lease.with_stopped(replace(record, state=step)))
 
-    def _switch_tokens(self, claimant: str, plan: ClaimPlan, by_name: dict[str, TokenSpec]) -> None:
+    def _switch_tokens(
+        self, claimant: Claimant, plan: ClaimPlan, by_name: dict[str, TokenSpec]
+    ) -> None:
         for token in plan.switched_tokens:
             targets = {s.address: s.to_driver for s in plan.switches if s.token == token}
             self.events.emit(
@@ -305,7 +307,7 @@ class Arbiter:
                 if lease is not None:
                     txn.state = txn.state.with_lease(lease.with_switch(token, StepState.DONE))
 
-    def switch_token(self, token: TokenSpec, targets: dict[str, str], claimant: str) -> None:
+    def switch_token(self, token: TokenSpec, targets: dict[str, str], claimant: Claimant) -> None:
         """Switch one token; on failure poison it, so nothing touches it again."""
         started = time.monotonic()
         try:
@@ -321,7 +323,7 @@ class Arbiter:
             seconds=round(time.monotonic() - started, 3),
         )
 
-    def _poison(self, token: str, reason: str, claimant: str) -> None:
+    def _poison(self, token: str, reason: str, claimant: Claimant) -> None:
         with self.ledger.transaction() as txn:
             txn.state = txn.state.with_poison(token, Poison(reason, now()))
         self.events.emit("poisoned", token=token, claimant=claimant, why=reason)
@@ -352,7 +354,7 @@ class Arbiter:
 
     def restore(
         self, claimants: Sequence[str] | None = None, dry_run: bool = False, *, force: bool = False
-    ) -> list[str]:
+    ) -> list[Claimant]:
         """Converge stranded (or named) claimants: restore, send home, remove leases.
 
         Named claimants whose active lease belongs to a claimant that still runs
@@ -368,7 +370,7 @@ class Arbiter:
             for claimant in running:
                 log.warning("%s: started again meanwhile; its lease is left alone", claimant)
         else:
-            targets = [str(Claimant.parse(c)) for c in claimants]
+            targets = [Claimant.parse(c) for c in claimants]
             targets = [c for c in targets if state.lease_of(c) is not None]
             if not force:
                 for claimant in targets:
@@ -382,12 +384,12 @@ class Arbiter:
             releaser.finish(claimant, success=False, reason="restored")
         return targets
 
-    def stranded_claimants(self, state: LedgerState) -> frozenset[str]:
+    def stranded_claimants(self, state: LedgerState) -> frozenset[Claimant]:
         return self._stranded_unlocked(state, self.host.boot_id())
 
     def _stranded_unlocked(
-        self, state: LedgerState, boot_id: str, alive: dict[str, bool] | None = None
-    ) -> frozenset[str]:
+        self, state: LedgerState, boot_id: str, alive: dict[Claimant, bool] | None = None
+    ) -> frozenset[Claimant]:
         if alive is None:
             alive = claimant_liveness(self.host, state, boot_id)
         return stranded_claimants(
@@ -449,7 +451,7 @@ class Arbiter:
 
 
 def _runs_with_active_lease(
-    arbiter: Arbiter, state: LedgerState, claimant: str, boot_id: str
+    arbiter: Arbiter, state: LedgerState, claimant: Claimant, boot_id: str
 ) -> bool:
     """Whether `claimant` holds an active lease of this boot and still runs."""
     lease = state.lease_of(claimant)
@@ -465,7 +467,7 @@ def _refuse_if_holders_came_back(
     seen: LedgerState,
     now_state: LedgerState,
     holders: Sequence[Holder],
-    claimant: str,
+    claimant: Claimant,
     tokens: Sequence[TokenSpec],
 ) -> None:
     """A retry when a release brought a holder back after the holders were listed.

@@ -72,11 +72,14 @@ class TokenConfig:
 class HolderConfig:
     """A holder the host cannot discover by itself (a unit or container using a token)."""
 
-    ref: str
+    ref: Claimant
     tokens: tuple[str, ...]
     preemptible: bool = False
     stop: str = "stop"  # libvirt: "shutdown" or "managedsave"; others: "stop"
     runtime: str = "podman"  # containers only
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ref", Claimant.parse(self.ref))
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,7 @@ def _parse_holder(reader: _Reader, index: int, spec: Any, tokens: set[str]) -> H
         raise ConfigError(reader.path, f"{key}.kind", f"expected one of {', '.join(HOLDER_KINDS)}")
     name = reader.get(spec, "name", str, "", f"{key}.name")
     try:
-        ref = str(Claimant.parse(f"{kind}:{name}"))
+        ref = Claimant.parse(f"{kind}:{name}")
     except ArbiterError as error:
         raise ConfigError(reader.path, f"{key}.name", str(error)) from None
     held = reader.get(spec, "tokens", list, [], f"{key}.tokens")

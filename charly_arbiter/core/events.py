@@ -14,6 +14,8 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from charly_arbiter.core.model import target_label
+
 log = logging.getLogger("charly_arbiter.core.events")
 
 Sink = Callable[[str, dict[str, Any]], None]
@@ -89,4 +91,4 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
 
 def drivers_label(targets: Mapping[str, str]) -> str:
     """The target drivers of a switch as events name them ("home" for the kernel's choice)."""
-    return ",".join(sorted({driver or "home" for driver in targets.values()}))
+    return ",".join(sorted({target_label(driver) for driver in targets.values()}))

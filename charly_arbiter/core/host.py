@@ -16,7 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from charly_arbiter.core.model import ProcessRef
+from charly_arbiter.core.model import Claimant, ProcessRef
+from charly_arbiter.core.pci import slot_of
 
 # Switch targets: a driver name, or NO_DRIVER for "not vfio-pci, whatever the
 # kernel binds" (a function that had no driver when the token was first seen).
@@ -51,8 +52,8 @@ class TokenSpec:
         """Members of the GPU's IOMMU group that are not functions of the GPU itself
         (another slot: a NIC or a second card behind a switch without ACS).  An
         exclusive claim would take them from the host too, so it is refused."""
-        slot = self.address.rsplit(".", 1)[0]
-        return tuple(f for f in self.functions if f.address.rsplit(".", 1)[0] != slot)
+        slot = slot_of(self.address)
+        return tuple(f for f in self.functions if slot_of(f.address) != slot)
 
 
 def common_blocker(token: TokenSpec) -> Blocker | None:
@@ -84,13 +85,16 @@ class Holder:
     for things that cannot be brought back, such as a terminated process.
     """
 
-    ref: str
+    ref: Claimant
     tokens: tuple[str, ...]
     preemptible: bool
     running: bool
     how: str = "stop"
     detail: str = ""
     restartable: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ref", Claimant.parse(self.ref))
 
 
 @dataclass(frozen=True)
@@ -130,18 +134,18 @@ class Host(Protocol):
         """Every known holder of any of these tokens, running or not."""
         ...
 
-    def is_running(self, ref: str) -> bool:
+    def is_running(self, ref: Claimant) -> bool:
         """Whether a holder or claimant is alive (VM running, process present)."""
         ...
 
-    def are_running(self, refs: Sequence[str]) -> dict[str, bool]:
+    def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         """`is_running` of many at once, in one pass where the host can (status asks
         about every lease's claimant)."""
         ...
 
-    def stop(self, ref: str) -> None: ...
+    def stop(self, ref: Claimant) -> None: ...
 
-    def start(self, ref: str) -> None: ...
+    def start(self, ref: Claimant) -> None: ...
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         """What keeps the token from being passed through (no IOMMU, no vfio-pci,

@@ -22,6 +22,7 @@ from charly_arbiter.core.model import (
     StepState,
     StoppedHolder,
 )
+from charly_arbiter.errors import InvalidClaimant
 
 SCHEMA = 2
 # Schema 1 (before the writer's start time and a stopped holder's tokens were
@@ -59,7 +60,7 @@ def decode(data: bytes) -> LedgerState:
         raise FormatError(f"not valid TOML: {type(error).__name__}") from error
     try:
         return _from_document(document)
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, InvalidClaimant) as error:
         raise FormatError(f"unexpected content: {error}") from error
 
 

@@ -13,10 +13,10 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 
 from charly_arbiter.core.host import Host
-from charly_arbiter.core.model import Lease, LeaseState, LedgerState, ProcessRef
+from charly_arbiter.core.model import Claimant, Lease, LeaseState, LedgerState, ProcessRef
 
 
-def claimant_liveness(host: Host, state: LedgerState | None, boot_id: str) -> dict[str, bool]:
+def claimant_liveness(host: Host, state: LedgerState | None, boot_id: str) -> dict[Claimant, bool]:
     """Whether each active lease's claimant runs; asked before taking the lock,
     because the answer may come from libvirt, whose hooks call back in here."""
     if state is None:
@@ -35,8 +35,8 @@ def stranded_claimants(
     *,
     grace: float,
     process_alive: Callable[[ProcessRef], bool],
-    alive: Mapping[str, bool],
-) -> frozenset[str]:
+    alive: Mapping[Claimant, bool],
+) -> frozenset[Claimant]:
     """Leases from an earlier boot, of a dead writer, or of a claimant gone.
 
     The writer of an acquiring or releasing lease is known by pid and start
@@ -48,7 +48,7 @@ def stranded_claimants(
     know (a lease written meanwhile) counts as running, so the lock is never
     held across a question to libvirt.
     """
-    stranded = set()
+    stranded: set[Claimant] = set()
     for lease in state.leases:
         if lease.boot_id != boot_id:
             stranded.add(lease.claimant)

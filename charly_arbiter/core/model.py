@@ -13,11 +13,17 @@ from enum import StrEnum
 
 from charly_arbiter.errors import InvalidClaimant
 
-HOME = "home"  # a switch target meaning "each function's own home driver"
 VFIO = "vfio-pci"
+HOME = "home"  # how a switch to each function's own home driver is named to people
 
 _KIND = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 _MAX_NAME = 256
+
+
+def target_label(driver: str) -> str:
+    """A switch target as messages and events name it: the driver, or "home" for the
+    kernel's own choice (NO_DRIVER, the empty string)."""
+    return driver or HOME
 
 
 def now() -> str:
@@ -71,16 +77,21 @@ class ProcessRef:
         return f"{self.pid}" if not self.start else f"{self.pid} (started at tick {self.start})"
 
 
-@dataclass(frozen=True, order=True)
-class Claimant:
-    """Who claims or holds a GPU, written `KIND:NAME` (`libvirt:win11`, `process:1234`)."""
+class Claimant(str):
+    """Who claims or holds a GPU, written `KIND:NAME` (`libvirt:win11`, `process:1234`).
 
-    kind: str
-    name: str
+    A string (it is written as one in the ledger, in messages and on the command
+    line) that can only be made by `parse`, so every one in the program has been
+    checked once, and that knows its parts: no caller splits it on `:` again.
+    """
+
+    __slots__ = ()
 
     @classmethod
     def parse(cls, text: str) -> Claimant:
-        kind, sep, name = text.partition(":")
+        if isinstance(text, Claimant):
+            return text
+        kind, sep, name = str(text).partition(":")
         if not sep:
             raise InvalidClaimant(text, "write it as KIND:NAME, e.g. libvirt:win11")
         if _KIND.fullmatch(kind) is None:
@@ -91,10 +102,19 @@ class Claimant:
             raise InvalidClaimant(text, "the name contains control characters")
         if kind == "process" and not name.isdigit():
             raise InvalidClaimant(text, "a process claimant is process:PID")
-        return cls(kind, name)
+        return str.__new__(cls, text)
 
-    def __str__(self) -> str:
-        return f"{self.kind}:{self.name}"
+    @classmethod
+    def of(cls, kind: str, name: str) -> Claimant:
+        return cls.parse(f"{kind}:{name}")
+
+    @property
+    def kind(self) -> str:
+        return self.partition(":")[0]
+
+    @property
+    def name(self) -> str:
+        return self.partition(":")[2]
 
 
 @dataclass(frozen=True)
@@ -105,7 +125,7 @@ class StoppedHolder:
     lease moved into this record, and is recreated when it comes back.
     """
 
-    holder: str
+    holder: Claimant
     state: StepState = StepState.PLANNED
     shared_tokens: tuple[str, ...] = ()
     restored: bool = False
@@ -113,10 +133,13 @@ class StoppedHolder:
     # exclusively when it would come back keeps it stopped instead.
     tokens: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "holder", Claimant.parse(self.holder))
+
 
 @dataclass(frozen=True)
 class Lease:
-    claimant: str
+    claimant: Claimant
     mode: Mode
     tokens: tuple[str, ...]
     state: LeaseState
@@ -129,6 +152,9 @@ class Lease:
     # token -> StepState of its driver switch (planned while acquiring/releasing)
     switched: tuple[tuple[str, StepState], ...] = ()
     note: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "claimant", Claimant.parse(self.claimant))
 
     @property
     def owner(self) -> ProcessRef | None:

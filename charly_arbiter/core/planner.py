@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from charly_arbiter.core.host import NO_DRIVER, Blocker, Holder, TokenSpec
 from charly_arbiter.core.model import (
     VFIO,
+    Claimant,
     Lease,
     LeaseState,
     LedgerState,
@@ -33,7 +34,7 @@ class Switch:
 
 @dataclass(frozen=True)
 class StopStep:
-    holder: str
+    holder: Claimant
     how: str
     shared_tokens: tuple[str, ...] = ()  # set when the holder is a shared claimant
     tokens: tuple[str, ...] = ()  # the tokens it uses (where it must not come back)
@@ -43,20 +44,19 @@ class StopStep:
 class ClaimPlan:
     """Everything an acquire will do, decided before anything is done."""
 
-    claimant: str
+    claimant: Claimant
     mode: Mode
     tokens: tuple[str, ...]
     transient: bool
     stops: tuple[StopStep, ...] = ()
     switches: tuple[Switch, ...] = ()
-    preempted_leases: tuple[str, ...] = ()  # shared claimants whose leases move into this one
+    preempted_leases: tuple[Claimant, ...] = ()  # shared claimants whose leases move into this one
     # Holders stopped by other leases that this one now keeps stopped: those of
     # the preempted leases, and those a releasing lease has not started yet but
     # which use a token this claim takes (it brings them back instead).
     inherited: tuple[StoppedHolder, ...] = ()
-    taken_over: tuple[
-        tuple[str, str], ...
-    ] = ()  # (lease, holder) records taken from releasing leases
+    # (lease, holder) records taken from releasing leases
+    taken_over: tuple[tuple[Claimant, Claimant], ...] = ()
     homes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     cdi_tokens: tuple[str, ...] = ()
     already_held: bool = False
@@ -102,11 +102,11 @@ def blocks_token(lease: Lease, token: str) -> bool:
 
 def decide_claim(
     ledger: LedgerState,
-    claimant: str,
+    claimant: Claimant,
     mode: Mode,
     tokens: Sequence[TokenSpec],
     holders: Sequence[Holder],
-    stranded: frozenset[str],
+    stranded: frozenset[Claimant],
     *,
     transient: bool = False,
     policy: Policy = NO_POLICY,
@@ -197,15 +197,15 @@ def decide_claim(
 
 def _decide_exclusive(
     ledger: LedgerState,
-    claimant: str,
+    claimant: Claimant,
     tokens: Sequence[TokenSpec],
     holders: Sequence[Holder],
-    stranded: frozenset[str],
+    stranded: frozenset[Claimant],
     transient: bool,
     policy: Policy,
 ) -> ClaimPlan:
     names = tuple(token.name for token in tokens)
-    preempted: dict[str, tuple[str, ...]] = {}
+    preempted: dict[Claimant, tuple[str, ...]] = {}
     inherited: list[StoppedHolder] = []
     for lease in ledger.leases:
         # Only active shared leases that still hold a token are preempted; one that
@@ -223,7 +223,7 @@ def _decide_exclusive(
             continue
         _refuse_unless_preemptible(holder, claimant, tokens, policy)
         stops.append(StopStep(holder.ref, holder.how, tokens=holder.tokens))
-    how = {holder.ref: holder.how for holder in holders}
+    how: dict[Claimant, str] = {holder.ref: holder.how for holder in holders}
     for ref, shared_tokens in preempted.items():
         # A shared claimant is always preemptible, but a policy may still forbid
         # stopping its kind (from a hook, a nested hook).
@@ -253,11 +253,11 @@ def _decide_exclusive(
 
 def _take_over_pending_restarts(
     ledger: LedgerState,
-    claimant: str,
+    claimant: Claimant,
     tokens: Sequence[TokenSpec],
-    stranded: frozenset[str],
-    preempted: Mapping[str, tuple[str, ...]],
-) -> list[tuple[str, StoppedHolder]]:
+    stranded: frozenset[Claimant],
+    preempted: Mapping[Claimant, tuple[str, ...]],
+) -> list[tuple[Claimant, StoppedHolder]]:
     """Records of holders a releasing lease will start again on tokens this claim takes.
 
     Started now, such a holder would run on a GPU this claim holds exclusively;
@@ -292,7 +292,7 @@ def _take_over_pending_restarts(
 
 def _decide_shared(
     ledger: LedgerState,
-    claimant: str,
+    claimant: Claimant,
     tokens: Sequence[TokenSpec],
     holders: Sequence[Holder],
     transient: bool,
@@ -334,7 +334,7 @@ def _decide_shared(
 
 
 def _running_holders(
-    holders: Sequence[Holder], claimant: str, names: tuple[str, ...]
+    holders: Sequence[Holder], claimant: Claimant, names: tuple[str, ...]
 ) -> list[Holder]:
     seen: set[str] = set()
     result = []
@@ -348,7 +348,7 @@ def _running_holders(
 
 
 def _refuse_unless_preemptible(
-    holder: Holder, claimant: str, tokens: Sequence[TokenSpec], policy: Policy
+    holder: Holder, claimant: Claimant, tokens: Sequence[TokenSpec], policy: Policy
 ) -> None:
     token = next(t for t in tokens if t.name in holder.tokens)
     detail = f" ({holder.detail})" if holder.detail else ""
@@ -363,9 +363,9 @@ def _refuse_unless_preemptible(
 
 
 def _refuse_by_policy(
-    ref: str, detail: str, claimant: str, token: TokenSpec, policy: Policy
+    ref: Claimant, detail: str, claimant: Claimant, token: TokenSpec, policy: Policy
 ) -> None:
-    kind = ref.partition(":")[0]
+    kind = ref.kind
     if kind in policy.refuse_kinds:
         raise ClaimRefused(
             _label(token),

@@ -67,16 +67,15 @@ class Releaser:
         self, claimant: str, success: bool = True, reason: str = "", *, force: bool = False
     ) -> bool:
         """See `Arbiter.release_claimant`."""
-        claimant = str(Claimant.parse(claimant))
-        lease = self.ledger.read().lease_of(claimant)
+        lease = self.ledger.read().lease_of(Claimant.parse(claimant))
         if lease is None:
             return False
         if not force and self._still_runs(lease):
-            raise ClaimantRunning(claimant, "releasing")
+            raise ClaimantRunning(lease.claimant, "releasing")
         self.events.emit(
-            "release" if success else "failed", claimant=claimant, why=reason or "released"
+            "release" if success else "failed", claimant=lease.claimant, why=reason or "released"
         )
-        return self.finish(claimant, success, reason)
+        return self.finish(lease.claimant, success, reason)
 
     def begin(self, claimant: str, success: bool, reason: str) -> bool:
         """Only the first step: mark the lease releasing, under the lock.
@@ -86,7 +85,7 @@ class Releaser:
         start) finds the lease releasing and waits, instead of finding it
         active and starting the VM without one.  False when there is no lease.
         """
-        claimant = str(Claimant.parse(claimant))
+        claimant = Claimant.parse(claimant)
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is None:
@@ -123,10 +122,10 @@ class Releaser:
         crashpoint("release.intent")
         if releasing is None:
             return True
-        self.carry_out(claimant, releasing)
+        self.carry_out(releasing.claimant, releasing)
         return True
 
-    def carry_out(self, claimant: str, lease: Lease) -> None:
+    def carry_out(self, claimant: Claimant, lease: Lease) -> None:
         """Everything after the intent: tokens home, holders back, the lease gone."""
         tokens = {spec.name: spec for spec in self.arbiter.tokens.known(lease.tokens)}
         for name in lease.tokens:
@@ -230,7 +229,7 @@ class Releaser:
         ).owned_by(self.owner)
         return releasing, state.with_lease(releasing)
 
-    def _send_home(self, claimant: str, token: TokenSpec | None) -> None:
+    def _send_home(self, claimant: Claimant, token: TokenSpec | None) -> None:
         if token is None:
             return
         state = self.ledger.read()
@@ -261,7 +260,7 @@ class Releaser:
             if lease is not None:
                 txn.state = txn.state.with_lease(lease.with_switch(token.name, StepState.DONE))
 
-    def _restore_holders(self, claimant: str) -> None:
+    def _restore_holders(self, claimant: Claimant) -> None:
         """Bring back, one by one, every holder the lease still records (including
         records handed to it meanwhile), newest first."""
         attempted: set[str] = set()
@@ -285,7 +284,7 @@ class Releaser:
                 continue
             self._came_back(claimant, record)
 
-    def _next_comeback(self, claimant: str, attempted: set[str]) -> _Comeback | None:
+    def _next_comeback(self, claimant: Claimant, attempted: set[str]) -> _Comeback | None:
         """Under the lock: hand the next record on, or mark it STARTING."""
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
@@ -318,7 +317,7 @@ class Releaser:
             txn.state = txn.state.with_lease(lease.with_stopped(starting))
             return _Comeback(starting, start=True)
 
-    def _start(self, claimant: str, record: StoppedHolder) -> None:
+    def _start(self, claimant: Claimant, record: StoppedHolder) -> None:
         # A planned stop may have happened just before a crash: whatever is not
         # running now was running when the claim was decided.
         if not self.host.is_running(record.holder):
@@ -331,7 +330,7 @@ class Releaser:
                 )
         self.events.emit("restored", claimant=claimant, holder=record.holder)
 
-    def _came_back(self, claimant: str, record: StoppedHolder) -> None:
+    def _came_back(self, claimant: Claimant, record: StoppedHolder) -> None:
         """Mark it restored, and give a preempted shared claimant its lease back.
 
         While the record was STARTING no exclusive claim could take its tokens,
@@ -357,14 +356,14 @@ class Releaser:
                     )
                 )
 
-    def _set_record(self, claimant: str, record: StoppedHolder) -> None:
+    def _set_record(self, claimant: Claimant, record: StoppedHolder) -> None:
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
                 txn.state = txn.state.with_lease(lease.with_stopped(record))
 
 
-def _exclusive_heir(state: LedgerState, claimant: str, record: StoppedHolder) -> Lease | None:
+def _exclusive_heir(state: LedgerState, claimant: Claimant, record: StoppedHolder) -> Lease | None:
     """An exclusive lease, not itself ending, that holds one of the holder's tokens."""
     uses = record.tokens or record.shared_tokens
     return next(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Blocker, Holder, Host, PciFunction, TokenSpec
-from charly_arbiter.core.model import ProcessRef
+from charly_arbiter.core.model import Claimant, ProcessRef
 from charly_arbiter.errors import HostError
 from charly_arbiter.host.holders import HolderRegistry, SourceFactory
 from charly_arbiter.host.sim import SimHost
@@ -49,8 +49,8 @@ class HybridHost:
         self.real = real
         self.description = f"{sim.description} with real {', '.join(real.kinds)} holders"
 
-    def _is_real(self, ref: str) -> bool:
-        return ref.partition(":")[0] in self.real.kinds
+    def _is_real(self, ref: Claimant) -> bool:
+        return Claimant.parse(ref).kind in self.real.kinds
 
     def boot_id(self) -> str:
         return self.sim.boot_id()
@@ -68,22 +68,22 @@ class HybridHost:
         simulated = [h for h in self.sim.holders(tokens) if not self._is_real(h.ref)]
         return [*simulated, *self.real.holders(tokens)]
 
-    def is_running(self, ref: str) -> bool:
+    def is_running(self, ref: Claimant) -> bool:
         if self._is_real(ref):
             return self.real.for_ref(ref).is_running(ref)
         return self.sim.is_running(ref)
 
-    def are_running(self, refs: Sequence[str]) -> dict[str, bool]:
+    def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         simulated = self.sim.are_running([ref for ref in refs if not self._is_real(ref)])
         return {ref: simulated[ref] if ref in simulated else self.is_running(ref) for ref in refs}
 
-    def stop(self, ref: str) -> None:
+    def stop(self, ref: Claimant) -> None:
         if self._is_real(ref):
             self.real.for_ref(ref).stop(ref)
         else:
             self.sim.stop(ref)
 
-    def start(self, ref: str) -> None:
+    def start(self, ref: Claimant) -> None:
         if self._is_real(ref):
             self.real.for_ref(ref).start(ref)
         else:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Blocker, Holder, PciFunction, TokenSpec, common_blocker
-from charly_arbiter.core.model import VFIO, ProcessRef
+from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
 from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed
 from charly_arbiter.host import run
 from charly_arbiter.host.blocking import Writer
@@ -96,7 +96,7 @@ class LocalHost:
             if address not in known:
                 raise SwitchFailed(
                     address,
-                    targets[address] or "home",
+                    target_label(targets[address]),
                     "plan",
                     f"it is not a function of {token.name}",
                 )
@@ -150,21 +150,21 @@ class LocalHost:
                 log.warning("cannot list %s holders: %s", kind, error)
         return found
 
-    def source(self, ref: str) -> HolderSource:
-        if ref.partition(":")[0] == ProcessHolders.kind:
+    def source(self, ref: Claimant) -> HolderSource:
+        if Claimant.parse(ref).kind == ProcessHolders.kind:
             return self.processes
         return self.registry.for_ref(ref)
 
-    def is_running(self, ref: str) -> bool:
+    def is_running(self, ref: Claimant) -> bool:
         return self.source(ref).is_running(ref)
 
-    def are_running(self, refs: Sequence[str]) -> dict[str, bool]:
+    def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         return {ref: self.is_running(ref) for ref in refs}
 
-    def stop(self, ref: str) -> None:
+    def stop(self, ref: Claimant) -> None:
         self.source(ref).stop(ref)
 
-    def start(self, ref: str) -> None:
+    def start(self, ref: Claimant) -> None:
         self.source(ref).start(ref)
 
     def regenerate_cdi(self, token: TokenSpec) -> None:

@@ -29,7 +29,7 @@ from charly_arbiter.core.host import (
     TokenSpec,
     common_blocker,
 )
-from charly_arbiter.core.model import VFIO, ProcessRef
+from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
 from charly_arbiter.errors import HolderError, HostError, SwitchFailed, SwitchHung
 from charly_arbiter.host.blocking import TimedOut, bounded
 from charly_arbiter.host.procscan import process_alive, process_ref
@@ -162,10 +162,10 @@ class SimHost:
                     bounded(lambda: time.sleep(3600), self.switch_timeout, f"sysfs {address}")
                 except TimedOut:
                     raise SwitchHung(
-                        address, driver or "home", "unbind", self.switch_timeout
+                        address, target_label(driver), "unbind", self.switch_timeout
                     ) from None
             if device.get("fail_switch"):
-                raise SwitchFailed(address, driver or "home", "verify", "simulated failure")
+                raise SwitchFailed(address, target_label(driver), "verify", "simulated failure")
         with self._state() as state:
             for address, driver in targets.items():
                 home = devices.get(address, {}).get("driver", "")
@@ -199,25 +199,25 @@ class SimHost:
             )
         return found
 
-    def is_running(self, ref: str) -> bool:
+    def is_running(self, ref: Claimant) -> bool:
         return self.are_running([ref])[ref]
 
-    def are_running(self, refs: Sequence[str]) -> dict[str, bool]:
+    def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         with self._state() as state:
             running, unknown = state["running"], bool(state["unknown_alive"])
             return {ref: bool(running[ref]) if ref in running else unknown for ref in refs}
 
-    def stop(self, ref: str) -> None:
+    def stop(self, ref: Claimant) -> None:
         self._set_running(ref, False, "fail_stop", "stop")
 
-    def start(self, ref: str) -> None:
+    def start(self, ref: Claimant) -> None:
         spec = self._spec(ref)
         if spec is not None and spec.get("kind") == "process":
             log.info("%s was a process; there is nothing to start again", ref)
             return
         self._set_running(ref, True, "fail_start", "start")
 
-    def _set_running(self, ref: str, running: bool, fault: str, action: str) -> None:
+    def _set_running(self, ref: Claimant, running: bool, fault: str, action: str) -> None:
         spec = self._spec(ref)
         if spec is not None and spec.get(fault):
             raise HolderError(ref, action, "simulated failure")
@@ -225,7 +225,7 @@ class SimHost:
             state["running"][ref] = running
             state["log"].append(f"{action} {ref}")
 
-    def _spec(self, ref: str) -> dict[str, Any] | None:
+    def _spec(self, ref: Claimant) -> dict[str, Any] | None:
         return next((s for s in self._holder_specs() if _ref(s) == ref), None)
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
@@ -280,8 +280,8 @@ class SimHost:
             state.update(fresh)
 
 
-def _ref(spec: Mapping[str, Any]) -> str:
-    return f"{spec.get('kind', '')}:{spec.get('name', '')}"
+def _ref(spec: Mapping[str, Any]) -> Claimant:
+    return Claimant.of(str(spec.get("kind", "")), str(spec.get("name", "")))
 
 
 def _optional_str(value: Any) -> str | None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from charly_arbiter.core.host import NO_DRIVER, PciFunction
-from charly_arbiter.core.model import VFIO
+from charly_arbiter.core.model import VFIO, target_label
 from charly_arbiter.core.pci import parse_address
 from charly_arbiter.errors import HostError, SwitchFailed, SwitchHung
 from charly_arbiter.host.blocking import ChildWriter, TimedOut, Writer, bounded
@@ -274,7 +274,7 @@ class Switcher:
         if parse_address(address) in self.hung:
             raise SwitchFailed(
                 address,
-                target or "home",
+                target_label(target),
                 self.hung[address],
                 "an earlier write to this device never returned; nothing more is written to it",
             )
@@ -284,7 +284,7 @@ class Switcher:
             self.sysfs.writer(path, text)
         except OSError as error:
             raise SwitchFailed(
-                address, target or "home", step, error.strerror or str(error)
+                address, target_label(target), step, error.strerror or str(error)
             ) from None
 
     def _rebind(self, address: str, target: str, device: Path, unbind: bool) -> None:
@@ -305,7 +305,7 @@ class Switcher:
             if self.sysfs.current_driver(address) is None:
                 writer(self.sysfs.drivers_probe(), address)
 
-        label = target or "home"
+        label = target_label(target)
         try:
             bounded(act, self.timeout, f"sysfs {address} {step[0]}")
         except TimedOut:
@@ -328,7 +328,7 @@ class Switcher:
             time.sleep(_POLL)
         if not _arrived(current, target):
             why = f"the device is bound to {current}" if current else "no driver took the device"
-            raise SwitchFailed(address, target or "home", "verify", why)
+            raise SwitchFailed(address, target_label(target), "verify", why)
         raise SwitchFailed(address, VFIO, "verify", f"{node} did not appear")
 
     def vfio_node(self, address: str) -> Path | None:

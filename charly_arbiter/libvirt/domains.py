@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
+from charly_arbiter.core.model import Claimant
 from charly_arbiter.errors import ArbiterError, HolderError, HostError, LedgerCorrupt
 from charly_arbiter.host.blocking import TimedOut, bounded
 from charly_arbiter.host.markers import ACTING_DIR, in_hook, marked
@@ -70,7 +71,7 @@ class LibvirtHolders:
         self.sysfs_root = sysfs_root
         self.proc_root = proc_root
         self.configured: dict[str, HolderConfig] = {
-            h.ref.partition(":")[2]: h for h in config.holders if h.ref.startswith(f"{KIND}:")
+            h.ref.name: h for h in config.holders if h.ref.kind == KIND
         }
         self._stop_methods: dict[str, str] = {}
         self._connection: Any = None
@@ -90,7 +91,7 @@ class LibvirtHolders:
                 found.append(holder)
         return found
 
-    def is_running(self, ref: str) -> bool:
+    def is_running(self, ref: Claimant) -> bool:
         name = _name(ref)
         if name == self.subject or in_hook(self.config.state_dir, ref):
             # Starting or stopping, and locked by libvirt while its hook runs: alive for us.
@@ -103,7 +104,7 @@ class LibvirtHolders:
             return self._qemu_process_alive(name)
         return domain is not None and bool(self._call(ref, "query", domain.isActive))
 
-    def stop(self, ref: str) -> None:
+    def stop(self, ref: Claimant) -> None:
         name = _name(ref)
         self._refuse_subject(ref, "stop")
         domain = self._lookup(name)
@@ -124,7 +125,7 @@ class LibvirtHolders:
         if self._call(ref, "query", domain.isActive):
             raise HolderError(ref, "stop", f"it still runs after {method}")
 
-    def start(self, ref: str) -> None:
+    def start(self, ref: Claimant) -> None:
         name = _name(ref)
         self._refuse_subject(ref, "start")
         domain = self._lookup(name)
@@ -147,7 +148,7 @@ class LibvirtHolders:
     # -- depth one -----------------------------------------------------------------
 
     @contextlib.contextmanager
-    def acting(self, ref: str) -> Iterator[None]:
+    def acting(self, ref: Claimant) -> Iterator[None]:
         """Mark `ref` as being stopped or started by this process, for its own hook."""
         with marked(self.config.state_dir, ACTING_DIR, ref):
             yield
@@ -187,12 +188,12 @@ class LibvirtHolders:
         except LedgerCorrupt:
             leases = ()  # the arbiter reports it on its own path
         refs = [record.holder for lease in leases for record in lease.unrestored()]
-        return {ref.partition(":")[2] for ref in refs if ref.startswith(f"{KIND}:")}
+        return {ref.name for ref in refs if ref.kind == KIND}
 
     def _holder(
         self, name: str, domain: Any, owner: dict[str, str], names: set[str]
     ) -> Holder | None:
-        ref = f"{KIND}:{name}"
+        ref = Claimant.of(KIND, name)
         configured = self.configured.get(name)
         try:
             xml = str(self._call(ref, "read the XML of", lambda: domain.XMLDesc(0)))
@@ -272,7 +273,7 @@ class LibvirtHolders:
         except Exception as error:
             raise HolderError(ref, action, str(error).strip() or type(error).__name__) from error
 
-    def _wait_inactive(self, ref: str, domain: Any, budget: float) -> bool:
+    def _wait_inactive(self, ref: Claimant, domain: Any, budget: float) -> bool:
         deadline = time.monotonic() + budget
         while time.monotonic() < deadline:
             if not self._call(ref, "query", domain.isActive):
@@ -280,7 +281,7 @@ class LibvirtHolders:
             time.sleep(POLL_SECONDS)
         return False
 
-    def _refuse_subject(self, ref: str, action: str) -> None:
+    def _refuse_subject(self, ref: Claimant, action: str) -> None:
         if _name(ref) == self.subject:
             raise HolderError(ref, action, "it is the domain this hook runs for")
         if in_hook(self.config.state_dir, ref):
@@ -310,7 +311,22 @@ def _guest_option(argument: bytes) -> str | None:
 
 
 def _name(ref: str) -> str:
-    kind, _, name = ref.partition(":")
-    if kind != KIND or not name:
+    claimant = Claimant.parse(ref)
+    if claimant.kind != KIND:
         raise HolderError(ref, "handle", "it is not a libvirt domain")
-    return name
+    return claimant.name
+
+
+def reachable(uri: str) -> str | None:
+    """Why libvirt at `uri` cannot be used by this host (None when it can): for `doctor`."""
+    try:
+        import libvirt
+    except ImportError:
+        return "python3-libvirt is not installed"
+    libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
+    try:
+        connection = libvirt.openReadOnly(uri)
+    except libvirt.libvirtError as error:
+        return f"{uri} is not reachable: {error}"
+    connection.close()
+    return None

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from charly_arbiter.core.arbiter import Arbiter
-from charly_arbiter.core.model import VFIO, LeaseState, LedgerState, Mode, Poison, now
+from charly_arbiter.core.model import VFIO, Claimant, LeaseState, LedgerState, Mode, Poison, now
 from charly_arbiter.errors import ArbiterError, LedgerCorrupt
 
 
@@ -91,7 +91,7 @@ def recover(
     return state, aside
 
 
-def _runs(arbiter: Arbiter, ref: str) -> bool:
+def _runs(arbiter: Arbiter, ref: Claimant) -> bool:
     try:
         return arbiter.host.is_running(ref)
     except ArbiterError:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
+from charly_arbiter.core.model import Claimant
 from charly_arbiter.errors import HostError
 
 
@@ -24,13 +25,13 @@ class HolderSource(Protocol):
         """Every holder of this kind that uses one of `tokens`, running or not."""
         ...
 
-    def is_running(self, ref: str) -> bool: ...
+    def is_running(self, ref: Claimant) -> bool: ...
 
-    def stop(self, ref: str) -> None:
+    def stop(self, ref: Claimant) -> None:
         """Stop it within the configured timeout, or raise `HolderError`."""
         ...
 
-    def start(self, ref: str) -> None:
+    def start(self, ref: Claimant) -> None:
         """Start it again (or do nothing, for what cannot be restarted)."""
         ...
 
@@ -38,7 +39,7 @@ class HolderSource(Protocol):
 def listed_holders(
     listed: Iterable[HolderConfig],
     tokens: Sequence[TokenSpec],
-    is_running: Callable[[str], bool],
+    is_running: Callable[[Claimant], bool],
     how: Callable[[HolderConfig], str],
 ) -> list[Holder]:
     """The holders arbiter.toml lists for any of `tokens` (units, containers)."""
@@ -86,8 +87,8 @@ class HolderRegistry:
             if close is not None:
                 close()
 
-    def for_ref(self, ref: str) -> HolderSource:
-        kind = ref.partition(":")[0]
+    def for_ref(self, ref: Claimant) -> HolderSource:
+        kind = Claimant.parse(ref).kind
         source = self.source(kind)
         if source is None:
             raise HostError(f"{ref}: this host has no holders of kind {kind!r}")

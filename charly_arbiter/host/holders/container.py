@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
+from charly_arbiter.core.model import Claimant
 from charly_arbiter.errors import CommandFailed, HolderError
 from charly_arbiter.host import run
 from charly_arbiter.host.holders import listed_holders
@@ -32,7 +33,7 @@ class ContainerHolders:
             self.listed.values(), tokens, self.is_running, lambda entry: f"{entry.runtime} stop"
         )
 
-    def is_running(self, ref: str) -> bool:
+    def is_running(self, ref: Claimant) -> bool:
         program, name = self._target(ref, "query")
         result = run.run(
             [program, "container", "inspect", "--format", "{{.State.Running}}", "--", name],
@@ -41,25 +42,26 @@ class ContainerHolders:
         )
         return result.returncode == 0 and result.stdout.strip() == "true"
 
-    def stop(self, ref: str) -> None:
+    def stop(self, ref: Claimant) -> None:
         program, name = self._target(ref, "stop")
         grace = str(max(1, int(self.config.timeouts.holder_stop) - 5))
         self._run(ref, "stop", [program, "stop", "--time", grace, "--", name])
 
-    def start(self, ref: str) -> None:
+    def start(self, ref: Claimant) -> None:
         program, name = self._target(ref, "start")
         self._run(ref, "start", [program, "start", "--", name])
 
-    def _run(self, ref: str, action: str, argv: list[str]) -> None:
+    def _run(self, ref: Claimant, action: str, argv: list[str]) -> None:
         timeout = self.config.timeouts.holder_stop + 5
         try:
             run.run(argv, timeout=timeout)
         except CommandFailed as error:
             raise HolderError(ref, action, str(error)) from error
 
-    def _target(self, ref: str, action: str) -> tuple[str, str]:
-        kind, _, name = ref.partition(":")
-        if kind != KIND or not name:
+    def _target(self, ref: Claimant, action: str) -> tuple[str, str]:
+        claimant = Claimant.parse(ref)
+        kind, name = claimant.kind, claimant.name
+        if kind != KIND:
             raise HolderError(ref, action, "it is not a container")
         listed: HolderConfig | None = self.listed.get(ref)
         runtime = listed.runtime if listed else "podman"

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Holder, TokenSpec
+from charly_arbiter.core.model import Claimant
 from charly_arbiter.errors import HolderError
 from charly_arbiter.host.pcidata import function_nodes
 from charly_arbiter.host.procscan import OpenNode, alive, program_name, scan
@@ -30,7 +31,7 @@ from charly_arbiter.host.sysfs import DEV_ROOT, PROC_ROOT, Sysfs
 log = logging.getLogger(__name__)
 
 PERSISTENCED = "nvidia-persistenced"
-PERSISTENCED_UNIT = "systemd:nvidia-persistenced.service"
+PERSISTENCED_UNIT = Claimant.parse("systemd:nvidia-persistenced.service")
 _KILL_WAIT = 5.0
 _POLL = 0.05
 
@@ -91,7 +92,7 @@ class ProcessHolders:
                 continue
             found.append(
                 Holder(
-                    ref=f"process:{pid}",
+                    ref=Claimant.of("process", str(pid)),
                     tokens=held,
                     preemptible=terminate,
                     running=True,
@@ -102,10 +103,10 @@ class ProcessHolders:
             )
         return found
 
-    def is_running(self, ref: str) -> bool:
+    def is_running(self, ref: Claimant) -> bool:
         return alive(self.proc_root, _pid(ref))
 
-    def stop(self, ref: str) -> None:
+    def stop(self, ref: Claimant) -> None:
         """SIGTERM; SIGKILL when it is still there after the holder stop timeout."""
         pid = _pid(ref)
         if not self._signal(pid, signal.SIGTERM):
@@ -120,7 +121,7 @@ class ProcessHolders:
         if not self._gone_within(pid, _KILL_WAIT):
             raise HolderError(ref, "stop", f"it is still alive {_KILL_WAIT:g} s after SIGKILL")
 
-    def start(self, ref: str) -> None:
+    def start(self, ref: Claimant) -> None:
         log.info("%s was a process; there is nothing to start again", ref)
 
     def _signal(self, pid: int, signum: signal.Signals) -> bool:
@@ -142,7 +143,7 @@ class ProcessHolders:
 
 
 def _pid(ref: str) -> int:
-    kind, _, name = ref.partition(":")
-    if kind != "process" or not name.isdigit():
+    claimant = Claimant.parse(ref)
+    if claimant.kind != "process":
         raise HolderError(ref, "find", "not a process:PID holder")
-    return int(name)
+    return int(claimant.name)  # a process claimant's name is digits (Claimant.parse)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Holder, TokenSpec
+from charly_arbiter.core.model import Claimant
 from charly_arbiter.errors import CommandFailed, HolderError
 from charly_arbiter.host import run
 from charly_arbiter.host.holders import listed_holders
@@ -30,7 +31,7 @@ class SystemdHolders:
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
         return listed_holders(self.listed, tokens, self.is_running, lambda entry: "systemctl stop")
 
-    def is_running(self, ref: str) -> bool:
+    def is_running(self, ref: Claimant) -> bool:
         result = run.run(
             [self._program(ref, "query"), "is-active", "--quiet", "--", _unit(ref)],
             check=False,
@@ -38,26 +39,26 @@ class SystemdHolders:
         )
         return result.returncode == 0
 
-    def stop(self, ref: str) -> None:
+    def stop(self, ref: Claimant) -> None:
         self._systemctl(ref, "stop", self.config.timeouts.holder_stop)
 
-    def start(self, ref: str) -> None:
+    def start(self, ref: Claimant) -> None:
         self._systemctl(ref, "start", self.config.timeouts.holder_start)
 
-    def _systemctl(self, ref: str, verb: str, timeout: float) -> None:
+    def _systemctl(self, ref: Claimant, verb: str, timeout: float) -> None:
         try:
             run.run([self._program(ref, verb), verb, "--", _unit(ref)], timeout=timeout)
         except CommandFailed as error:
             raise HolderError(ref, verb, str(error)) from error
 
-    def _program(self, ref: str, action: str) -> str:
+    def _program(self, ref: Claimant, action: str) -> str:
         if self.systemctl is None:
             raise HolderError(ref, action, "systemctl is not installed")
         return self.systemctl
 
 
 def _unit(ref: str) -> str:
-    kind, _, name = ref.partition(":")
-    if kind != KIND or not name:
+    claimant = Claimant.parse(ref)
+    if claimant.kind != KIND:
         raise HolderError(ref, "handle", "it is not a systemd unit")
-    return name
+    return claimant.name
