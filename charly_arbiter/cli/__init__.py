@@ -11,7 +11,7 @@ a traceback only with `-v`.
 from __future__ import annotations
 
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn
 
 COMMANDS = {
     "status": "charly_arbiter.cli.status:status",
@@ -42,11 +42,4 @@ def main(argv: list[str] | None = None) -> NoReturn:
     sys.exit(0)
 
 
-def load(spec: str) -> Any:
-    import importlib
-
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-__all__ = ["COMMANDS", "load", "main"]
+__all__ = ["COMMANDS", "main"]

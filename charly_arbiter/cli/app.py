@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import sys
@@ -82,10 +83,12 @@ class LazyGroup(click.Group):
         return sorted(self.lazy)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        from charly_arbiter.cli import load
-
         spec = self.lazy.get(cmd_name)
-        return load(spec) if spec else None
+        if spec is None:
+            return None
+        module, _, name = spec.partition(":")
+        command: click.Command = getattr(importlib.import_module(module), name)
+        return command
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

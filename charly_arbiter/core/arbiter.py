@@ -27,7 +27,6 @@ from charly_arbiter.core.model import (
     LeaseState,
     LedgerState,
     Mode,
-    Poison,
     ProcessRef,
     StepState,
     StoppedHolder,
@@ -41,12 +40,12 @@ from charly_arbiter.core.planner import (
     decide_claim,
 )
 from charly_arbiter.core.releasing import Releaser
+from charly_arbiter.core.switching import Switching
 from charly_arbiter.core.tokens import TokenCatalogue
 from charly_arbiter.errors import (
     ArbiterError,
     ClaimantRunning,
     ClaimRefused,
-    SwitchFailed,
 )
 
 log = logging.getLogger(__name__)
@@ -92,6 +91,13 @@ class Arbiter:
         # once this very process (pid and start time) is gone.
         self.owner = owner or host.current_process()
         self.tokens = TokenCatalogue(config, host)
+        self.switching = Switching(host, ledger, self.events)
+
+    def releaser(self) -> Releaser:
+        """The release steps, over this arbiter's ledger, host, tokens and identity."""
+        return Releaser(
+            self.ledger, self.host, self.events, self.tokens, self.switching, self.owner
+        )
 
     # -- deciding ------------------------------------------------------------------
 
@@ -217,12 +223,12 @@ class Arbiter:
                 "failed", claimant=claimant, token=",".join(plan.tokens), why=str(error)
             )
             try:
-                Releaser(self).finish(claimant, success=False, reason=str(error))
+                self.releaser().finish(claimant, success=False, reason=str(error))
             except ArbiterError as undo_error:
                 log.error("%s: undoing the claim failed too: %s", claimant, undo_error)
             raise
         for name in plan.cdi_tokens:
-            self.regenerate_cdi(by_name[name])
+            self.switching.regenerate_cdi(by_name[name])
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
@@ -301,38 +307,11 @@ class Arbiter:
                 "switching", claimant=claimant, token=token, driver=drivers_label(targets)
             )
             crashpoint("acquire.switch")
-            self.switch_token(by_name[token], targets, claimant)
+            self.switching.switch(by_name[token], targets, claimant)
             with self.ledger.transaction() as txn:
                 lease = txn.state.lease_of(claimant)
                 if lease is not None:
                     txn.state = txn.state.with_lease(lease.with_switch(token, StepState.DONE))
-
-    def switch_token(self, token: TokenSpec, targets: dict[str, str], claimant: Claimant) -> None:
-        """Switch one token; on failure poison it, so nothing touches it again."""
-        started = time.monotonic()
-        try:
-            self.host.switch(token, targets)
-        except SwitchFailed as error:
-            self._poison(token.name, str(error), claimant)
-            raise
-        self.events.emit(
-            "switched",
-            token=token.name,
-            claimant=claimant,
-            driver=drivers_label(targets),
-            seconds=round(time.monotonic() - started, 3),
-        )
-
-    def _poison(self, token: str, reason: str, claimant: Claimant) -> None:
-        with self.ledger.transaction() as txn:
-            txn.state = txn.state.with_poison(token, Poison(reason, now()))
-        self.events.emit("poisoned", token=token, claimant=claimant, why=reason)
-
-    def regenerate_cdi(self, token: TokenSpec) -> None:
-        try:
-            self.host.regenerate_cdi(token)
-        except ArbiterError as error:
-            log.warning("%s: could not regenerate the CDI spec: %s", token.name, error)
 
     # -- releasing ---------------------------------------------------------------
 
@@ -348,7 +327,7 @@ class Arbiter:
         holders are logged and leave the lease for `restore`; this never raises
         for them, because it runs when a VM stops.
         """
-        return Releaser(self).release_claimant(claimant, success, reason, force=force)
+        return self.releaser().release_claimant(claimant, success, reason, force=force)
 
     # -- restore, status, poison ------------------------------------------------------
 
@@ -378,7 +357,7 @@ class Arbiter:
                         raise ClaimantRunning(claimant, "restoring")
         if dry_run:
             return targets
-        releaser = Releaser(self)
+        releaser = self.releaser()
         for claimant in targets:
             self.events.emit("restore", claimant=claimant)
             releaser.finish(claimant, success=False, reason="restored")

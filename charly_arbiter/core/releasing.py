@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from charly_arbiter.core.crashpoints import crashpoint
-from charly_arbiter.core.events import drivers_label
-from charly_arbiter.core.host import TokenSpec
+from charly_arbiter.core.events import Events, drivers_label
+from charly_arbiter.core.host import Host, TokenSpec
+from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
@@ -37,10 +37,9 @@ from charly_arbiter.core.model import (
     now,
 )
 from charly_arbiter.core.planner import blocks_token, home_map
+from charly_arbiter.core.switching import Switching
+from charly_arbiter.core.tokens import TokenCatalogue
 from charly_arbiter.errors import ArbiterError, ClaimantRunning, LeaseInProgress, SwitchFailed
-
-if TYPE_CHECKING:
-    from charly_arbiter.core.arbiter import Arbiter
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +53,23 @@ class _Comeback:
 
 
 class Releaser:
-    """The release steps, over the arbiter's ledger, host and events."""
+    """The release steps, over a ledger, a host and its tokens, as process `owner`."""
 
-    def __init__(self, arbiter: Arbiter) -> None:
-        self.arbiter = arbiter
-        self.ledger = arbiter.ledger
-        self.host = arbiter.host
-        self.events = arbiter.events
-        self.owner = arbiter.owner
+    def __init__(
+        self,
+        ledger: Ledger,
+        host: Host,
+        events: Events,
+        tokens: TokenCatalogue,
+        switching: Switching,
+        owner: ProcessRef,
+    ) -> None:
+        self.ledger = ledger
+        self.host = host
+        self.events = events
+        self.tokens = tokens
+        self.switching = switching
+        self.owner = owner
 
     def release_claimant(
         self, claimant: str, success: bool = True, reason: str = "", *, force: bool = False
@@ -127,7 +135,7 @@ class Releaser:
 
     def carry_out(self, claimant: Claimant, lease: Lease) -> None:
         """Everything after the intent: tokens home, holders back, the lease gone."""
-        tokens = {spec.name: spec for spec in self.arbiter.tokens.known(lease.tokens)}
+        tokens = {spec.name: spec for spec in self.tokens.known(lease.tokens)}
         for name in lease.tokens:
             if lease.switch_state(name) is not StepState.DONE:
                 self._send_home(claimant, tokens.get(name))
@@ -237,7 +245,7 @@ class Releaser:
             log.warning("%s: poisoned, left where it is", token.name)
         else:
             home = home_map(state, token)
-            current = {f.address: f.driver for f in self.arbiter.tokens.functions_now(token)}
+            current = {f.address: f.driver for f in self.tokens.functions_now(token)}
             targets = {
                 address: driver
                 for address, driver in home.items()
@@ -249,12 +257,12 @@ class Releaser:
                 )
                 crashpoint("release.switch")
                 try:
-                    self.arbiter.switch_token(token, targets, claimant)
+                    self.switching.switch(token, targets, claimant)
                 except SwitchFailed as error:
                     log.error("%s: could not return home: %s", token.name, error)
                     return
             if token.cdi:
-                self.arbiter.regenerate_cdi(token)
+                self.switching.regenerate_cdi(token)
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:

@@ -26,15 +26,10 @@ MAX_XML = 16 << 20
 # Without one of these bytes the XML cannot claim (the domainxml rules, without
 # importing them: the fast path stays at the cost of starting Python).
 CLAIM_MARKERS = (b"hostdev", b"https://charly-arbiter.org/xmlns/claim/1")
-DETACHED = "finish-release"
 USAGE = "usage: charly-arbiter hook qemu GUEST OPERATION SUB-OPERATION EXTRA"
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == [DETACHED]:
-        from charly_arbiter.libvirt.hookrun import finish_release
-
-        return finish_release(argv[1:])
     if len(argv) < 4:
         print(f"charly-arbiter: {USAGE}", file=sys.stderr)
         return 2

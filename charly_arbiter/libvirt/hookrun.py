@@ -20,7 +20,7 @@ from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, Mode, ProcessRef
 from charly_arbiter.core.planner import NO_POLICY, Policy
-from charly_arbiter.core.releasing import Releaser
+from charly_arbiter.errors import ArbiterError
 from charly_arbiter.host.markers import HOOK_DIR, is_acting, marked
 from charly_arbiter.host.run import spawn_detached
 from charly_arbiter.host.sysfs import Roots
@@ -31,10 +31,11 @@ from charly_arbiter.libvirt.domainxml import (
     parse_domain,
     resolve_claim,
 )
-from charly_arbiter.libvirt.hook import DETACHED, say
 from charly_arbiter.logsetup import log_setup
 
 log = logging.getLogger(__name__)
+
+DETACHED = "finish-release"  # the detached release's first argument (and its name in ps)
 
 
 def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
@@ -145,7 +146,7 @@ class HookRun:
             # a detached process does it, so `virsh destroy` returns at once.  The
             # lease turns releasing first, under the lock, so that a `prepare` of
             # this domain right after waits for the release to end.
-            if Releaser(arbiter).begin(self.ref, success, reason):
+            if arbiter.releaser().begin(self.ref, success, reason):
                 spawn_finish_release(self.config, self.ref, reason, arbiter.owner)
             return 0
         # libvirt says the domain has stopped: no need to ask whether it runs.
@@ -189,12 +190,11 @@ class HookRun:
 
     def migrate(self, claim: DomainClaim | None) -> int:
         if claim is not None and claim.mode is Mode.EXCLUSIVE:
-            say(
+            raise ArbiterError(
                 f"{self.ref} cannot migrate: it holds {', '.join(claim.tokens)} exclusively "
                 "(a passed-through GPU stays on its host)",
-                f"shut {self.guest} down and start it on the other host instead",
+                hint=f"shut {self.guest} down and start it on the other host instead",
             )
-            return 1
         return 0
 
 
@@ -212,7 +212,8 @@ def spawn_finish_release(config: Config, ref: str, reason: str, owner: ProcessRe
             sys.executable,
             "-c",
             "import sys; sys.path.insert(0, sys.argv[1]); "
-            "from charly_arbiter.libvirt.hook import main; sys.exit(main(sys.argv[2:]))",
+            "from charly_arbiter.libvirt.hookrun import finish_release; "
+            "sys.exit(finish_release(sys.argv[3:]))",
             package_parent,
             DETACHED,
             str(config.path or "-"),
@@ -229,8 +230,7 @@ def finish_release(argv: list[str]) -> int:
     """The detached half of `release`: send home, restore holders, drop the lease."""
     if len(argv) != 6:
         print(
-            f"charly-arbiter: usage: hook {DETACHED} CONFIG STATE_DIR HOST CLAIMANT REASON "
-            "PID:START",
+            f"charly-arbiter: usage: {DETACHED} CONFIG STATE_DIR HOST CLAIMANT REASON PID:START",
             file=sys.stderr,
         )
         return 2
@@ -245,7 +245,7 @@ def finish_release(argv: list[str]) -> int:
     log_to_file(config)
     arbiter = build_arbiter(config)
     try:
-        Releaser(arbiter).finish(ref, reason != "failed", reason, takeover=takeover)
+        arbiter.releaser().finish(ref, reason != "failed", reason, takeover=takeover)
     finally:
         arbiter.host.close()
     return 0

@@ -17,7 +17,6 @@ from interleave import Outcome, World, errors_of, explore
 from invariants import assert_converged, assert_invariants, sim_facts
 
 from charly_arbiter.core.model import VFIO, LeaseState, Mode
-from charly_arbiter.core.releasing import Releaser
 from charly_arbiter.errors import ClaimRefused, LeaseInProgress
 
 CONFIG = """
@@ -124,11 +123,11 @@ def hook_release(claimant: str, *, then_start: bool = False):
     def operation(world: World, pid: int) -> None:
         hook = world.arbiter(pid)
         hook.host.set_running(claimant, False)
-        if Releaser(hook).begin(claimant, True, "destroyed"):
+        if hook.releaser().begin(claimant, True, "destroyed"):
 
             def finish(world: World, finisher: int) -> None:
                 detached = world.arbiter(finisher)
-                Releaser(detached).finish(claimant, True, "destroyed", takeover=hook.owner)
+                detached.releaser().finish(claimant, True, "destroyed", takeover=hook.owner)
 
             world.scheduler.spawn(f"{claimant}-finish", finish)
         if then_start:

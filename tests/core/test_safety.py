@@ -24,6 +24,7 @@ from coretools import (
     ledger_bytes,
     read_ledger,
 )
+from simhosts import device
 
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import load_config
@@ -362,11 +363,10 @@ def test_a_host_that_cannot_pass_through_refuses_before_stopping_anything(sim, f
 
 
 def test_an_iommu_group_shared_with_another_device_is_refused(sim):
-    host = (sim.sim_dir / "host.toml").read_text()
-    sim.set_host(
-        host + '\n[[devices]]\naddress = "0000:0c:00.0"\nvendor = "8086"\ndevice = "1533"\n'
-        'class = "020000"\ndriver = "igb"\niommu_group = 12\n'
+    nic = device(
+        "0000:0c:00.0", vendor="8086", model="1533", pci_class="020000", driver="igb", group=12
     )
+    sim.set_host((sim.sim_dir / "host.toml").read_text() + "\n" + nic)
     before = host_state(sim)
     result = sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0")
     assert result.returncode == 3
