@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.model import Claimant, LeaseState
 from charly_arbiter.errors import ArbiterError, HolderError, HostError, LedgerCorrupt
 from charly_arbiter.host.blocking import TimedOut, bounded
 from charly_arbiter.host.markers import ACTING_DIR, in_hook, marked
@@ -172,14 +172,13 @@ class LibvirtHolders:
         )
 
     def _ledger_names(self) -> set[str]:
-        """The libvirt domains the ledger records as stopped holders.
+        """The libvirt domains the ledger names: holders it records as stopped, and
+        claimants of active leases (a shared claimant VM is preempted as a holder).
 
-        Not the claimants: a claim decides about them by their leases (a shared
-        claimant is preempted through its lease, an exclusive one refuses), and
-        looking one up from a hook can deadlock.  A VM whose prepare hook waits
-        for its own release is locked by libvirt from before its hook could
-        leave a marker; that release starts a holder VM, whose nested hook must
-        not wait on the first VM's lock.
+        Not the claimants of unfinished leases: looking one up from a hook can
+        deadlock.  A VM whose prepare hook waits for its own release is locked by
+        libvirt from before its hook could leave a marker; that release starts a
+        holder VM, whose nested hook must not wait on the first VM's lock.
         """
         from charly_arbiter.core.ledger import Ledger
 
@@ -188,6 +187,7 @@ class LibvirtHolders:
         except LedgerCorrupt:
             leases = ()  # the arbiter reports it on its own path
         refs = [record.holder for lease in leases for record in lease.unrestored()]
+        refs += [lease.claimant for lease in leases if lease.state is LeaseState.ACTIVE]
         return {ref.name for ref in refs if ref.kind == KIND}
 
     def _holder(

@@ -109,14 +109,16 @@ def stopped_for(config: Config, holder: str) -> None:
 
 def test_in_a_hook_the_own_domain_is_never_touched_nor_enumerated(config: Config) -> None:
     """In a hook, candidates come from the ledger and the configuration only: the
-    holders the ledger records as stopped, never its claimants (a claim decides about
-    them by their leases, and a claimant may be locked by its own pending hook)."""
+    holders the ledger records as stopped and the claimants of active leases, never
+    the claimant of an unfinished lease (it may be locked by its own pending hook)."""
     with Ledger(config.state_dir).transaction() as txn:
         txn.state = txn.state.with_lease(
-            Lease("libvirt:holder", Mode.SHARED, ("gpu0",), LeaseState.ACTIVE, False, "b", "t")
+            Lease("libvirt:holder", Mode.SHARED, ("gpu0",), LeaseState.RELEASING, False, "b", "t")
         )
     source = LibvirtHolders(config, subject="passthrough")
     assert {holder.ref for holder in source.holders([GPU0])} == {"libvirt:listed"}
+    with Ledger(config.state_dir).transaction() as txn:
+        txn.state = txn.state.without_lease("libvirt:holder")
     stopped_for(config, "libvirt:holder")
     refs = {holder.ref for holder in source.holders([GPU0])}
     assert refs == {"libvirt:holder", "libvirt:listed"}  # bystander and itself not asked
