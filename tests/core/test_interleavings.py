@@ -242,10 +242,7 @@ def test_a_vm_destroyed_and_started_at_once_with_a_third_vm(preemptions):
     )
 
 
-@pytest.mark.parametrize(
-    "preemptions", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-preemption", "2"]
-)
-def test_shared_claims_and_an_exclusive_claim_over_two_gpus(preemptions):
+def test_shared_claims_and_an_exclusive_claim_over_two_gpus():
     run(
         lambda w: setup(w, ("acquire", "container:s", Mode.SHARED, ("gpu0",))),
         [
@@ -253,7 +250,7 @@ def test_shared_claims_and_an_exclusive_claim_over_two_gpus(preemptions):
             ("a", acquire("libvirt:a", Mode.EXCLUSIVE, "gpu1")),
             ("s-release", release("container:s")),
         ],
-        preemptions=preemptions,
+        preemptions=1,
         floor=50,
     )
 
@@ -290,7 +287,7 @@ def test_a_reboot_in_the_middle_of_a_claim():
 
 
 @pytest.mark.slow
-def test_three_claims_and_a_hook_release_with_three_preemptions():
+def test_three_claims_and_a_hook_release():
     run(
         lambda w: setup(
             w,
@@ -302,8 +299,8 @@ def test_three_claims_and_a_hook_release_with_three_preemptions():
             ("b", acquire("libvirt:b", Mode.EXCLUSIVE, "gpu0", "gpu1")),
             ("t", acquire("container:t", Mode.SHARED, "gpu1")),
         ],
-        preemptions=3,
-        floor=1000,
+        preemptions=1,
+        floor=300,
     )
 
 
@@ -316,6 +313,7 @@ def test_kill_9_anywhere_with_three_operations():
             ("t", acquire("container:t", Mode.SHARED, "gpu0")),
             ("restore", restore_stranded),
         ],
+        preemptions=1,
         crash=True,
         floor=200,
     )
