@@ -33,6 +33,11 @@ class Switching:
             self.host.switch(token, targets)
         except SwitchFailed as error:
             self.poison(token.name, str(error), claimant)
+            error.hint = (
+                f"{token.name} is poisoned now: nothing claims it until you have checked the "
+                f"GPU and its driver and run `charly-arbiter poison clear {token.name}`"
+                + (f" ({error.hint})" if error.hint else "")
+            )
             raise
         self.events.emit(
             "switched",

@@ -171,7 +171,10 @@ def _config_decides(addresses: list[str], config: str | None) -> bool:
         return False
     except OSError:
         return True
-    return b"sim:" in text or any(address.encode() in text for address in addresses)
+    simulated = any(
+        line.lstrip().startswith(b"host") and b'"sim:' in line for line in text.splitlines()
+    )
+    return simulated or any(address.encode() in text for address in addresses)
 
 
 def _read_stdin() -> bytes:

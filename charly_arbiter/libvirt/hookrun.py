@@ -41,7 +41,7 @@ DETACHED = "finish-release"  # the detached release's first argument (and its na
 def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
     """One handled operation for a domain whose XML may claim (`xml` is None when it
     was too large to read whole; the ledger then decides alone)."""
-    log_setup(0)
+    log_setup(0, stderr=False)
     ref = Claimant.parse(f"libvirt:{guest}")
     facts = None if xml is None else parse_domain(xml, guest)
     if facts is not None and not facts.mentions_gpus:
@@ -238,7 +238,7 @@ def finish_release(argv: list[str]) -> int:
     reason = "" if reason == "-" else reason
     pid, _, start = began_by.partition(":")
     takeover = ProcessRef(int(pid), int(start or "0"))
-    log_setup(1)
+    log_setup(1, stderr=False)  # (its stderr is /dev/null: it runs detached)
     config = load_config(
         None if config_path == "-" else Path(config_path), state_dir=Path(state_dir), host=host
     )
@@ -252,8 +252,8 @@ def finish_release(argv: list[str]) -> int:
 
 
 def log_to_file(config: Config) -> None:
-    """The steps of every hook call go to `hook_log` when it is set; stderr, which
-    libvirt keeps only on failure, stays at warnings."""
+    """The steps of every hook call go to `hook_log` when it is set (the system log
+    keeps only the warnings)."""
     if config.hook_log is None:
         return
     handler = logging.FileHandler(config.hook_log)

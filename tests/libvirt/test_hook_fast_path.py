@@ -224,6 +224,8 @@ def test_an_address_the_configuration_names_or_a_simulated_host_goes_the_slow_wa
     assert may_claim(nic, sys_root, str(config))
     config.write_text('host = "sim:/srv/sim"\n')
     assert may_claim(nic, sys_root, str(config))
+    config.write_text('# host = "local" or "sim:DIR"\nhost = "local"\n')  # a comment says nothing
+    assert not may_claim(nic, sys_root, str(config))
     config.unlink()
     assert not may_claim(nic, sys_root, str(config))
 
@@ -244,7 +246,12 @@ def test_a_nic_hostdev_is_let_go_without_the_configuration_the_ledger_or_typing(
         input=xml_with(pci_hostdev("0000:03:00.0")),
         capture_output=True,
         cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        # Not this machine's /etc: an installed package's configuration must not decide.
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(REPO),
+            "CHARLY_ARBITER_CONFIG": str(tmp_path / "none.toml"),
+        },
         timeout=60,
     )
     modules = {
