@@ -3,6 +3,10 @@ snapshots of everything a test compares (ledger bytes, simulated host state)."""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +91,96 @@ def host_toml(
 
 # Every holder preemptible: lets a state machine claim both tokens exclusively.
 ALL_PREEMPTIBLE = host_toml(dm_preemptible=True)
+
+# The same host again as data, for tests that change it key by key.
+DEVICE_TABLE: tuple[dict[str, Any], ...] = (
+    {
+        "address": "0000:0a:00.0",
+        "vendor": "10de",
+        "device": "2684",
+        "class": "030000",
+        "driver": "nvidia",
+        "iommu_group": 12,
+    },
+    {
+        "address": "0000:0a:00.1",
+        "vendor": "10de",
+        "device": "22ba",
+        "class": "040300",
+        "driver": "snd_hda_intel",
+        "iommu_group": 12,
+    },
+    {
+        "address": "0000:0b:00.0",
+        "vendor": "10de",
+        "device": "2204",
+        "class": "030000",
+        "driver": "nvidia",
+        "iommu_group": 13,
+    },
+)
+HOLDER_TABLE: tuple[dict[str, Any], ...] = (
+    {"kind": "container", "name": "llm", "tokens": ["gpu0"], "preemptible": True, "running": True},
+    {
+        "kind": "systemd",
+        "name": "ollama.service",
+        "tokens": ["gpu0"],
+        "preemptible": True,
+        "running": True,
+    },
+    {
+        "kind": "systemd",
+        "name": "display-manager.service",
+        "tokens": ["gpu1"],
+        "preemptible": False,
+        "running": True,
+    },
+)
+
+
+def describe_host(changes: Mapping[str, Mapping[str, Any]] | None = None) -> str:
+    """The default host as host.toml, with keys set per device address or holder
+    ref: `describe_host({"0000:0a:00.1": {"fail_switch": True}})`."""
+    changes = changes or {}
+    blocks = []
+    for table, items in (("devices", DEVICE_TABLE), ("holders", HOLDER_TABLE)):
+        for item in items:
+            key = item["address"] if table == "devices" else f"{item['kind']}:{item['name']}"
+            values = {**item, **changes.get(key, {})}
+            lines = [f"[[{table}]]"] + [
+                f"{name} = {_toml(value)}" for name, value in values.items()
+            ]
+            blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) + "\n"
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    return json.dumps(str(value))
+
+
+def bind_by_hand(sim_dir: Path, drivers: Mapping[str, str]) -> None:
+    """What an operator does through sysfs by hand: bind functions of the simulated
+    host to drivers (state.json, under the simulation's own lock, written atomically)."""
+    lock = os.open(sim_dir / "state.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = sim_dir / "state.json"
+        state = json.loads(path.read_text())
+        for address, driver in sorted(drivers.items()):
+            state["drivers"][address] = driver
+            state["log"].append(f"bind {address} {driver} (by hand)")
+        temp = sim_dir / "state.json.by-hand"
+        temp.write_text(json.dumps(state, indent=1, sort_keys=True))
+        os.replace(temp, path)
+    finally:
+        os.close(lock)
+
 
 HOLDER_REFS = ("container:llm", "systemd:ollama.service", "systemd:display-manager.service")
 HOME = {"0000:0a:00.0": "nvidia", "0000:0a:00.1": "snd_hda_intel", "0000:0b:00.0": "nvidia"}
