@@ -11,7 +11,6 @@ point leaves enough on disk for `restore` to converge.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -20,11 +19,13 @@ from charly_arbiter.config import Config
 from charly_arbiter.crashpoints import crashpoint
 from charly_arbiter.errors import (
     ArbiterError,
+    ClaimantRunning,
+    ClaimRefused,
     SwitchFailed,
     UnknownToken,
 )
 from charly_arbiter.events import Events, drivers_label
-from charly_arbiter.host import Host, PciFunction, TokenSpec
+from charly_arbiter.host import Blocker, Holder, Host, PciFunction, TokenSpec
 from charly_arbiter.ledger import Ledger
 from charly_arbiter.liveness import claimant_liveness, stranded_claimants
 from charly_arbiter.model import (
@@ -34,6 +35,7 @@ from charly_arbiter.model import (
     LedgerState,
     Mode,
     Poison,
+    ProcessRef,
     StepState,
     StoppedHolder,
     now,
@@ -48,6 +50,8 @@ from charly_arbiter.planner import (
 from charly_arbiter.releasing import Releaser
 
 log = logging.getLogger(__name__)
+
+RETRY_INTERVAL = 0.1  # seconds between tries of a claim that waits for a release
 
 
 @dataclass(frozen=True)
@@ -73,15 +77,20 @@ class Status:
 
 class Arbiter:
     def __init__(
-        self, config: Config, host: Host, ledger: Ledger, events: Events | None = None
+        self,
+        config: Config,
+        host: Host,
+        ledger: Ledger,
+        events: Events | None = None,
+        owner: ProcessRef | None = None,
     ) -> None:
         self.config = config
         self.host = host
         self.ledger = ledger
         self.events = events or Events()
         # Written into in-progress leases; `restore` treats them as stranded
-        # once this process is gone.
-        self.pid = os.getpid()
+        # once this very process (pid and start time) is gone.
+        self.owner = owner or host.current_process()
         self._token_cache: dict[str, TokenSpec] | None = None
 
     # -- tokens ----------------------------------------------------------------
@@ -152,7 +161,14 @@ class Arbiter:
             transient=transient,
             policy=policy,
             boot_id=boot_id,
+            blockers=self._blockers(mode, tokens),
         )
+
+    def _blockers(self, mode: Mode, tokens: Sequence[TokenSpec]) -> dict[str, Blocker]:
+        if mode is not Mode.EXCLUSIVE:
+            return {}
+        found = {token.name: self.host.passthrough_blocker(token) for token in tokens}
+        return {name: blocker for name, blocker in found.items() if blocker is not None}
 
     # -- acquiring ---------------------------------------------------------------
 
@@ -164,33 +180,62 @@ class Arbiter:
         *,
         transient: bool = False,
         policy: Policy = NO_POLICY,
+        wait: float | None = None,
     ) -> ClaimPlan:
+        """Claim the tokens, stopping what must make room, or raise why not.
+
+        A refusal that an operation under way will lift (this claimant's
+        previous lease still being released, a holder being started again) is
+        retried for up to `wait` seconds (default `timeouts.claim_wait`): a VM
+        destroyed and started at once waits for its own release instead of
+        being refused or, worse, finding its old lease and starting without one.
+        """
         claimant = str(Claimant.parse(claimant))
+        limit = self.config.timeouts.claim_wait if wait is None else wait
+        deadline = time.monotonic() + limit
+        while True:
+            try:
+                return self._acquire_once(claimant, mode, token_names, transient, policy)
+            except ClaimRefused as refusal:
+                if not refusal.retry or time.monotonic() >= deadline:
+                    self.events.emit(
+                        "refused", claimant=claimant, token=",".join(token_names), why=str(refusal)
+                    )
+                    raise
+                log.info("%s: %s; waiting", claimant, refusal.why)
+            time.sleep(RETRY_INTERVAL)
+
+    def _acquire_once(
+        self,
+        claimant: str,
+        mode: Mode,
+        token_names: Sequence[str],
+        transient: bool,
+        policy: Policy,
+    ) -> ClaimPlan:
         tokens = self._resolve_fresh(token_names)
         by_name = {token.name: token for token in tokens}
         # Outside the lock: these may ask libvirt, whose hooks call back in here.
+        seen = self.ledger.read()
         holders = self.host.holders(tokens)
+        blockers = self._blockers(mode, tokens)
         boot_id = self.host.boot_id()
-        alive = claimant_liveness(self.host, self.ledger.inspect().state, boot_id)
+        alive = claimant_liveness(self.host, seen, boot_id)
         with self.ledger.transaction() as txn:
-            try:
-                stranded = self._stranded_unlocked(txn.state, boot_id, alive)
-                plan = decide_claim(
-                    txn.state,
-                    claimant,
-                    mode,
-                    tokens,
-                    holders,
-                    stranded,
-                    transient=transient,
-                    policy=policy,
-                    boot_id=boot_id,
-                )
-            except ArbiterError as refusal:
-                self.events.emit(
-                    "refused", claimant=claimant, token=",".join(token_names), why=str(refusal)
-                )
-                raise
+            _refuse_if_holders_came_back(seen, txn.state, holders, claimant, tokens)
+            stranded = self._stranded_unlocked(txn.state, boot_id, alive)
+            plan = decide_claim(
+                txn.state,
+                claimant,
+                mode,
+                tokens,
+                holders,
+                stranded,
+                transient=transient,
+                policy=policy,
+                boot_id=boot_id,
+                blockers=blockers,
+            )
             if plan.already_held:
                 own = txn.state.lease_of(claimant)
                 if own is not None and claimant in stranded:
@@ -204,12 +249,17 @@ class Arbiter:
         try:
             self._stop_holders(claimant, plan)
             self._switch_tokens(claimant, plan, by_name)
-        except ArbiterError as error:
+        except Exception as error:
+            # Any failure after the first side effect is undone, not only the
+            # arbiter's own errors: a holder must never stay stopped for nothing.
             log.error("%s: claim failed, undoing it: %s", claimant, error)
             self.events.emit(
                 "failed", claimant=claimant, token=",".join(plan.tokens), why=str(error)
             )
-            Releaser(self).finish(claimant, success=False, reason=str(error))
+            try:
+                Releaser(self).finish(claimant, success=False, reason=str(error))
+            except ArbiterError as undo_error:
+                log.error("%s: undoing the claim failed too: %s", claimant, undo_error)
             raise
         for name in plan.cdi_tokens:
             self.regenerate_cdi(by_name[name])
@@ -219,7 +269,7 @@ class Arbiter:
                 # `created` restarts here: claim_grace counts from the moment the
                 # claimant may start, not from the intent (stopping holders takes time).
                 txn.state = txn.state.with_lease(
-                    replace(lease, state=LeaseState.ACTIVE, owner_pid=0, created=now())
+                    replace(lease, state=LeaseState.ACTIVE, created=now()).owned_by(None)
                 )
         self.events.emit("active", claimant=claimant, token=",".join(plan.tokens), mode=str(mode))
         crashpoint("acquire.active")
@@ -235,15 +285,23 @@ class Arbiter:
         # record of it (one whose stop never happened before a crash).
         planned = {step.holder for step in plan.stops}
         stopped = [record for record in plan.inherited if record.holder not in planned]
-        # A holder this claim stops is its to bring back, even if an unfinished
-        # lease (left by a crash) still lists it as planned.
+        # A holder this claim stops, or takes over from a releasing lease, is its
+        # to bring back: no other lease may still list it.
+        taken_over = set(plan.taken_over)
         for other in state.leases:
-            taken = [r for r in other.stopped if r.holder in planned and not r.restored]
+            taken = [
+                r
+                for r in other.unrestored()
+                if r.holder in planned or (other.claimant, r.holder) in taken_over
+            ]
             for record in taken:
                 other = other.with_stopped(replace(record, restored=True))
             if taken:
                 state = state.with_lease(other)
-        stopped += [StoppedHolder(s.holder, StepState.PLANNED, s.shared_tokens) for s in plan.stops]
+        stopped += [
+            StoppedHolder(s.holder, StepState.PLANNED, s.shared_tokens, tokens=s.tokens)
+            for s in plan.stops
+        ]
         lease = Lease(
             claimant=plan.claimant,
             mode=plan.mode,
@@ -252,10 +310,9 @@ class Arbiter:
             transient=plan.transient,
             boot_id=boot_id,
             created=now(),
-            owner_pid=self.pid,
             stopped=tuple(stopped),
             switched=tuple(sorted((t, StepState.PLANNED) for t in plan.switched_tokens)),
-        )
+        ).owned_by(self.owner)
         return state.with_lease(lease)
 
     def _stop_holders(self, claimant: str, plan: ClaimPlan) -> None:
@@ -317,25 +374,46 @@ class Arbiter:
 
     # -- releasing ---------------------------------------------------------------
 
-    def release_claimant(self, claimant: str, success: bool = True, reason: str = "") -> bool:
+    def release_claimant(
+        self, claimant: str, success: bool = True, reason: str = "", *, force: bool = False
+    ) -> bool:
         """Remove the claimant's lease; the last lease on a token sends it home and
         brings back what was stopped for it.  Returns False when there was no lease.
 
-        Failures restoring holders are logged and leave the lease for `restore`;
-        this never raises for them, because it runs when a VM stops.
+        A claimant that still runs is refused (`ClaimantRunning`) unless `force`:
+        its GPU would go home under it.  The hooks pass `force`, since libvirt or
+        the runtime has just told them the claimant stopped.  Failures restoring
+        holders are logged and leave the lease for `restore`; this never raises
+        for them, because it runs when a VM stops.
         """
-        return Releaser(self).release_claimant(claimant, success, reason)
+        return Releaser(self).release_claimant(claimant, success, reason, force=force)
 
     # -- restore, status, poison ------------------------------------------------------
 
-    def restore(self, claimants: Sequence[str] | None = None, dry_run: bool = False) -> list[str]:
-        """Converge stranded (or named) claimants: restore, send home, remove leases."""
-        state = self.ledger.read() if dry_run else self.ledger.recover()
+    def restore(
+        self, claimants: Sequence[str] | None = None, dry_run: bool = False, *, force: bool = False
+    ) -> list[str]:
+        """Converge stranded (or named) claimants: restore, send home, remove leases.
+
+        Named claimants whose active lease belongs to a claimant that still runs
+        are refused unless `force`; with `--stranded`, such a claimant (one that
+        started again meanwhile) is skipped.
+        """
+        state = self.ledger.read() if dry_run else self.ledger.tidy()
+        boot_id = self.host.boot_id()
         if claimants is None:
             targets = sorted(self.stranded_claimants(state))
+            running = [c for c in targets if _runs_with_active_lease(self, state, c, boot_id)]
+            targets = [c for c in targets if c not in running]
+            for claimant in running:
+                log.warning("%s: started again meanwhile; its lease is left alone", claimant)
         else:
             targets = [str(Claimant.parse(c)) for c in claimants]
             targets = [c for c in targets if state.lease_of(c) is not None]
+            if not force:
+                for claimant in targets:
+                    if _runs_with_active_lease(self, state, claimant, boot_id):
+                        raise ClaimantRunning(claimant, "restoring")
         if dry_run:
             return targets
         releaser = Releaser(self)
@@ -355,6 +433,7 @@ class Arbiter:
             boot_id,
             grace=self.config.timeouts.claim_grace,
             is_running=self.host.is_running,
+            process_alive=self.host.process_alive,
             alive=alive,
         )
 
@@ -371,6 +450,12 @@ class Arbiter:
                 mode = "exclusive"
             elif holding:
                 mode = "shared"
+            elif any(
+                lease.state is LeaseState.RELEASING and spec.name in lease.tokens
+                for lease in state.leases
+            ):
+                # Home already, but the release is still bringing back what it stopped.
+                mode = "releasing"
             tokens.append(
                 TokenStatus(
                     name=spec.name,
@@ -392,6 +477,7 @@ class Arbiter:
         )
 
     def clear_poison(self, token: str) -> bool:
+        """Let claims on `token` again; refused (by the transaction) on a corrupt ledger."""
         with self.ledger.transaction() as txn:
             if txn.state.poison_of(token) is None:
                 return False
@@ -407,3 +493,44 @@ class Arbiter:
 
     def fresh_functions(self, token: TokenSpec) -> Sequence[PciFunction]:
         return self.host.token_functions(token.name, token.address)
+
+
+def _runs_with_active_lease(
+    arbiter: Arbiter, state: LedgerState, claimant: str, boot_id: str
+) -> bool:
+    """Whether `claimant` holds an active lease of this boot and still runs."""
+    lease = state.lease_of(claimant)
+    return (
+        lease is not None
+        and lease.state is LeaseState.ACTIVE
+        and lease.boot_id == boot_id
+        and arbiter.host.is_running(claimant)
+    )
+
+
+def _refuse_if_holders_came_back(
+    seen: LedgerState,
+    now_state: LedgerState,
+    holders: Sequence[Holder],
+    claimant: str,
+    tokens: Sequence[TokenSpec],
+) -> None:
+    """A retry when a release brought a holder back after the holders were listed.
+
+    The list is taken outside the lock (it may ask libvirt); a holder that was
+    stopped then and has been started since would run unseen beside this claim.
+    """
+    pending = {r.holder for lease in now_state.leases for r in lease.unrestored()}
+    came_back = {
+        r.holder for lease in seen.leases for r in lease.unrestored() if r.holder not in pending
+    }
+    names = {token.name for token in tokens}
+    for holder in holders:
+        if holder.ref in came_back and not holder.running and names & set(holder.tokens):
+            raise ClaimRefused(
+                ", ".join(sorted(names)),
+                claimant,
+                f"{holder.ref} was started again while the claim was being decided",
+                hint="try again",
+                retry=True,
+            )

@@ -7,7 +7,9 @@ Command-line options and environment variables override the file.
 
 from __future__ import annotations
 
+import math
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,6 +41,23 @@ class Timeouts:
     # How long a fresh lease may have a claimant that does not run yet (a VM
     # between its prepare hook and its start) before it counts as stranded.
     claim_grace: float = 60.0
+    # How long a claim waits for an operation under way that will let it through
+    # (its own previous lease being released: a VM destroyed and started at once).
+    claim_wait: float = 30.0
+
+
+MAX_SECONDS = 86400.0  # no timeout is longer than a day
+# Directories that must never become the state directory: the ledger, its lock
+# and the history would be written among the system's own files.
+SYSTEM_DIRS = frozenset(
+    Path(p)
+    for p in (
+        "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media",
+        "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr",  # noqa: S108
+        "/usr/bin", "/usr/lib", "/usr/local", "/usr/sbin", "/usr/share", "/var", "/var/lib",
+        "/var/log", "/var/tmp", "/var/cache", "/var/run",  # noqa: S108
+    )
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -97,6 +116,7 @@ def load_config(
     if host is not None:
         config = replace(config, host=host)
     _check_host_spec(config)
+    _check_state_dir(config)
     return config
 
 
@@ -105,15 +125,57 @@ def _read_table(path: Path) -> dict[str, Any]:
     from tomlkit.exceptions import TOMLKitError
 
     try:
-        text = path.read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as error:
+        raise ConfigError(path, None, f"cannot be read ({error.strerror})") from error
+    try:
+        _check_config_file(path, os.fstat(fd))
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            text = handle.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
     except OSError as error:
         raise ConfigError(path, None, f"cannot be read ({error.strerror})") from error
     except UnicodeDecodeError:
         raise ConfigError(path, None, "is not UTF-8 text") from None
+    finally:
+        os.close(fd)
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(path, None, f"is larger than {MAX_CONFIG_BYTES} bytes")
     try:
         return tomlkit.parse(text).unwrap()
     except (TOMLKitError, RecursionError, ValueError) as error:
         raise ConfigError(path, None, f"is not valid TOML: {error}") from None
+
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _check_config_file(path: Path, info: os.stat_result) -> None:
+    """The configuration decides what root does to the host's GPUs: it must be a
+    regular file that nobody but root can change."""
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(path, None, "is not a regular file")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            path, None, f"is group- or world-writable (mode {stat.S_IMODE(info.st_mode):o})"
+        )
+    if os.geteuid() == 0 and info.st_uid != 0:
+        raise ConfigError(path, None, f"is owned by uid {info.st_uid}, not root")
+
+
+def _check_state_dir(config: Config) -> None:
+    where = config.path or "--state-dir"
+    directory = config.state_dir
+    if not directory.is_absolute():
+        raise ConfigError(where, "state_dir", f"{str(directory)!r} is not an absolute path")
+    if ".." in directory.parts or str(directory) != os.path.normpath(directory):
+        raise ConfigError(where, "state_dir", f"{str(directory)!r} is not a normalised path")
+    if directory in SYSTEM_DIRS:
+        raise ConfigError(
+            where,
+            "state_dir",
+            f"{directory} is a system directory; use a directory of its own, "
+            "such as /var/lib/charly-arbiter",
+        )
 
 
 def _parse(path: Path, table: dict[str, Any]) -> Config:
@@ -149,11 +211,13 @@ def _parse(path: Path, table: dict[str, Any]) -> Config:
         for index, spec in enumerate(reader.get(table, "holders", list, []))
     )
     hook_log = reader.get(table, "hook_log", str, "")
+    if hook_log and not Path(hook_log).is_absolute():
+        raise ConfigError(path, "hook_log", f"{hook_log!r} is not an absolute path")
     return Config(
         path=path,
         state_dir=Path(reader.get(table, "state_dir", str, str(defaults.state_dir))),
         host=reader.get(table, "host", str, defaults.host),
-        libvirt_uri=reader.get(table, "libvirt_uri", str, defaults.libvirt_uri),
+        libvirt_uri=reader.text(table, "libvirt_uri", defaults.libvirt_uri),
         libvirt_preemption=reader.choice(table, "libvirt_preemption", PREEMPTION_POLICIES),
         process_policy=reader.choice(table, "device_holder_policy", PROCESS_POLICIES),
         hook_log=Path(hook_log) if hook_log else None,
@@ -177,12 +241,24 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
         parse_address(address)
     except ArbiterError as error:
         raise ConfigError(reader.path, f"{key}.address", str(error)) from None
+    home_driver = reader.get(spec, "home_driver", str, None, f"{key}.home_driver")
+    if home_driver is not None and not is_driver_name(home_driver):
+        raise ConfigError(
+            reader.path,
+            f"{key}.home_driver",
+            f"{home_driver!r} is not a kernel driver name (letters, digits, - and _)",
+        )
     return TokenConfig(
         name=name,
         address=address,
-        home_driver=reader.get(spec, "home_driver", str, None, f"{key}.home_driver"),
+        home_driver=home_driver,
         cdi=reader.get(spec, "cdi", bool, True, f"{key}.cdi"),
     )
+
+
+def is_driver_name(name: str) -> bool:
+    """A kernel driver's name as it appears under /sys/bus/pci/drivers."""
+    return 0 < len(name) <= 64 and all(c.isascii() and (c.isalnum() or c in "-_") for c in name)
 
 
 def _parse_holder(reader: _Reader, index: int, spec: Any, tokens: set[str]) -> HolderConfig:
@@ -202,6 +278,8 @@ def _parse_holder(reader: _Reader, index: int, spec: Any, tokens: set[str]) -> H
         raise ConfigError(reader.path, f"{key}.name", str(error)) from None
     held = reader.get(spec, "tokens", list, [], f"{key}.tokens")
     for token in held:
+        if not isinstance(token, str):
+            raise ConfigError(reader.path, f"{key}.tokens", "expected a list of token names")
         if tokens and token not in tokens:
             raise ConfigError(reader.path, f"{key}.tokens", f"{token!r} is not a configured token")
     stop = reader.get(spec, "stop", str, "stop", f"{key}.stop")
@@ -249,9 +327,25 @@ class _Reader:
 
     def positive(self, table: dict[str, Any], name: str, key: str, default: float) -> float:
         value = table.get(name, default)
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ConfigError(self.path, key, "expected a positive number of seconds")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or not 0 < value <= MAX_SECONDS
+        ):
+            raise ConfigError(
+                self.path, key, f"expected a number of seconds above 0 and at most {MAX_SECONDS:g}"
+            )
         return float(value)
+
+    def text(self, table: dict[str, Any], name: str, default: str) -> str:
+        """A string without control characters (it ends up in messages and argv)."""
+        value = self.get(table, name, str, default)
+        if not value or not value.isprintable():
+            raise ConfigError(
+                self.path, name, "expected a non-empty string without control characters"
+            )
+        return str(value)
 
     def choice(self, table: dict[str, Any], name: str, choices: tuple[str, ...]) -> str:
         value = table.get(name, choices[0])

@@ -27,7 +27,7 @@ from charly_arbiter.model import Mode
 from charly_arbiter.pci import from_libvirt, is_address
 
 NAMESPACE = "https://charly-arbiter.org/xmlns/claim/1"
-MAX_XML_BYTES = 1 << 20  # a real domain's XML is a few KiB; libvirt's own limit is 10 MiB
+MAX_XML_BYTES = 16 << 20  # a real domain's XML is a few KiB; libvirt's own limit is 10 MiB
 STOP_METHODS = ("shutdown", "managedsave", "destroy")
 
 _CLAIM_TAG = f"{{{NAMESPACE}}}claim"

@@ -28,7 +28,9 @@ class ArbiterError(Exception):
 
 
 class ConfigError(ArbiterError):
-    """The configuration file cannot be read or is not valid."""
+    """The configuration file cannot be read or is not valid (exit 2, like a usage error)."""
+
+    exit_code = 2
 
     def __init__(self, path: Path | str, key: str | None, why: str) -> None:
         where = f"{path}: {key}" if key else str(path)
@@ -82,13 +84,15 @@ class StateDirUnsafe(ArbiterError):
 
 
 class LedgerCorrupt(ArbiterError):
-    """The ledger does not verify; it is never read as "no leases"."""
+    """The ledger does not verify; it is never read as "no leases", and never
+    repaired without an operator (`charly-arbiter recover`)."""
 
     def __init__(self, path: Path, why: str, hint: str | None = None) -> None:
         super().__init__(
-            f"the ledger {path} is corrupt: {why}",
+            f"the ledger {path} is corrupt: {why}; nothing was changed",
             hint=hint
-            or f"move {path} aside, check the host by hand, then run `charly-arbiter restore`",
+            or "run `charly-arbiter recover` to compare its backup with the host, "
+            "then `charly-arbiter recover --yes` to continue from it",
         )
         self.path = path
         self.why = why
@@ -128,15 +132,45 @@ class LedgerWriteFailed(ArbiterError):
 
 
 class ClaimRefused(ArbiterError):
-    """A claim that the rules do not allow right now."""
+    """A claim that the rules do not allow right now.
+
+    `retry` marks a refusal that another operation in progress will soon lift
+    (a lease being released, a holder being started again): `acquire` waits a
+    bounded time for it instead of refusing at once.
+    """
 
     exit_code = 3
 
-    def __init__(self, token: str, claimant: str, why: str, hint: str | None = None) -> None:
+    def __init__(
+        self, token: str, claimant: str, why: str, hint: str | None = None, *, retry: bool = False
+    ) -> None:
         super().__init__(f"{claimant} cannot claim {token}: {why}", hint=hint)
         self.token = token
         self.claimant = claimant
         self.why = why
+        self.retry = retry
+
+
+class ClaimantRunning(ArbiterError):
+    """Releasing or restoring the lease of a claimant that still runs would send
+    its GPU home under it (on a real host the unbind blocks and the GPU is poisoned)."""
+
+    exit_code = 3
+
+    def __init__(self, claimant: str, action: str) -> None:
+        super().__init__(
+            f"{claimant} still runs; {action} it now would take its GPU away from under it",
+            hint=f"stop {claimant} first (its own hook then releases it), or add --force "
+            "if you know it no longer uses the GPU",
+        )
+        self.claimant = claimant
+
+
+class PassthroughImpossible(ClaimRefused):
+    """The host cannot pass this GPU through: refused before anything is stopped."""
+
+    def __init__(self, token: str, claimant: str, why: str, hint: str) -> None:
+        super().__init__(token, claimant, f"this host cannot pass it through: {why}", hint=hint)
 
 
 class TokenPoisoned(ClaimRefused):

@@ -31,13 +31,28 @@ class Events:
         self.sinks: list[Sink] = list(sinks or [])
 
     def emit(self, kind: str, **fields: Any) -> None:
-        """Record one event; a failing sink is logged and never stops the caller."""
-        log.info("%s %s", kind, " ".join(f"{key}={value}" for key, value in fields.items()))
+        """Record one event; a failing sink is logged (one line; the traceback only
+        at debug level) and never stops the caller."""
+        log.info("%s %s", kind, logfmt(fields))
         for sink in self.sinks:
             try:
                 sink(kind, fields)
-            except Exception:
-                log.exception("could not record event %s", kind)
+            except Exception as error:
+                log.warning("could not record event %s: %s", kind, error)
+                log.debug("the failing sink", exc_info=True)
+
+
+def logfmt(fields: Mapping[str, Any]) -> str:
+    """`key=value` pairs, quoted where a value has spaces, quotes, `=` or control
+    characters, so that a guest name like `my vm` cannot make a line ambiguous."""
+    return " ".join(f"{key}={_quoted(str(value))}" for key, value in fields.items())
+
+
+def _quoted(text: str) -> str:
+    if text and not any(c in text for c in ' "=\\') and text.isprintable():
+        return text
+    escaped = text.encode("unicode_escape").decode("ascii").replace('"', '\\"')
+    return f'"{escaped}"'
 
 
 def describe(kind: str, fields: Mapping[str, Any]) -> str:
@@ -69,7 +84,7 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
     sentence = sentences.get(kind)
     if sentence is not None:
         return sentence()
-    return " ".join([kind, *(f"{key}={value}" for key, value in fields.items())])
+    return f"{kind} {logfmt(fields)}"
 
 
 def drivers_label(targets: Mapping[str, str]) -> str:

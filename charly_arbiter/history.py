@@ -15,22 +15,23 @@ old files are kept.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import re
-import stat
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from charly_arbiter import files
 from charly_arbiter.crashpoints import crashpoint
-from charly_arbiter.errors import ArbiterError, StateDirUnsafe
+from charly_arbiter.errors import ArbiterError
 from charly_arbiter.events import STEP_STARTS
-from charly_arbiter.liveness import pid_alive
+from charly_arbiter.procscan import alive as process_runs
+
+PROC_ROOT = Path("/proc")
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ HISTORY = "history.jsonl"
 LOCK = "history.lock"
 MAX_BYTES = 1 << 20
 KEEP = 3
+LOCK_WAIT = 10.0  # an event is never worth hanging a hook for
 
 
 @dataclass(frozen=True)
@@ -108,13 +110,8 @@ class HistoryLog:
             if size and size + len(line) > self.max_bytes:
                 self._rotate_unlocked()
                 size = 0
-            fd = os.open(
-                self.path,
-                os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o600,
-            )
+            fd = files.open_checked(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
             try:
-                _check_regular(self.path, fd)
                 if size and not _ends_with_newline(fd, size):
                     line = b"\n" + line  # a torn last line stays alone on its line
                 crashpoint("history.write")
@@ -141,16 +138,17 @@ class HistoryLog:
             os.replace(self.path, self.rotated(1))
         else:
             self.path.unlink()
-        _fsync_dir(self.state_dir)
+        files.fsync_dir(self.state_dir)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        handle = os.fdopen(files.open_checked(self.lock_path, os.O_RDWR | os.O_CREAT), "r+")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            if not files.lock_within(handle, LOCK_WAIT):
+                raise ArbiterError(f"{self.lock_path} stayed locked for {LOCK_WAIT:g} s")
             yield
         finally:
-            os.close(fd)
+            handle.close()
 
     # -- reading ------------------------------------------------------------------
 
@@ -220,9 +218,9 @@ def interrupted(records: Sequence[Record], alive: Any = None) -> set[int]:
     A process that finishes a step always records something after it (the
     completion, a failure or a poisoning), so a step start that is the last
     record of a process no longer alive is where that process was killed.
-    `alive(pid)` answers whether a pid still runs (default: `kill(pid, 0)`).
+    `alive(pid)` answers whether a pid still runs (default: /proc, zombies dead).
     """
-    is_alive = alive or pid_alive
+    is_alive = alive or (lambda pid: process_runs(PROC_ROOT, pid))
     last_of_pid: dict[int, int] = {}
     for index, record in enumerate(records):
         last_of_pid[record.pid] = index
@@ -273,19 +271,3 @@ def _size(path: Path) -> int:
 
 def _ends_with_newline(fd: int, size: int) -> bool:
     return os.pread(fd, 1, size - 1) == b"\n"
-
-
-def _check_regular(path: Path, fd: int) -> None:
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        raise StateDirUnsafe(path, "it is not a regular file")
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise StateDirUnsafe(path, f"it is group- or world-writable (mode {info.st_mode:o})")
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

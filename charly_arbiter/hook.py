@@ -20,10 +20,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from charly_arbiter.config import Config
     from charly_arbiter.domainxml import DomainClaim
+    from charly_arbiter.model import ProcessRef
 
 HANDLED = {"prepare": "begin", "release": "end", "reconnect": "begin", "migrate": "begin"}
 ALWAYS_SUCCEED = ("release", "reconnect")
-MAX_STDIN = 1 << 20
+# Above libvirt's own 10 MiB: a domain whose XML is larger is refused at prepare
+# rather than read in part (a hostdev past the part read would pass unclaimed).
+# The same bound as domainxml.MAX_XML_BYTES (not imported: the fast path stays light).
+MAX_XML = 16 << 20
 # Without one of these bytes the XML cannot claim (domainxml.might_claim, without
 # importing it: the fast path stays at the cost of starting Python).
 CLAIM_MARKERS = (b"hostdev", b"https://charly-arbiter.org/xmlns/claim/1")
@@ -60,7 +64,16 @@ def main(argv: list[str]) -> int:
 
 def _dispatch(guest: str, operation: str, extra: str) -> int:
     xml = _read_stdin()
-    if not any(marker in xml for marker in CLAIM_MARKERS):
+    # Too large to read whole: refused at prepare; otherwise the ledger decides.
+    oversized = len(xml) > MAX_XML
+    if oversized and operation == "prepare":
+        _say(
+            f"the domain XML of {guest!r} is larger than {MAX_XML >> 20} MiB; "
+            "it is refused rather than read in part",
+            "shorten its <description> or metadata",
+        )
+        return 1
+    if not oversized and not any(marker in xml for marker in CLAIM_MARKERS):
         return 0  # the fast path: no hostdev, no claim element
     from charly_arbiter.domainxml import parse_domain
     from charly_arbiter.logsetup import log_setup
@@ -68,8 +81,8 @@ def _dispatch(guest: str, operation: str, extra: str) -> int:
 
     log_setup(0)
     ref = str(Claimant.parse(f"libvirt:{guest}"))
-    facts = parse_domain(xml, guest)
-    if not facts.mentions_gpus:
+    facts = None if oversized else parse_domain(xml, guest)
+    if facts is not None and not facts.mentions_gpus:
         return 0
     hook = _Hook(ref, guest)
     from charly_arbiter.holders.libvirt import HOOK_DIR, marked
@@ -80,6 +93,8 @@ def _dispatch(guest: str, operation: str, extra: str) -> int:
         try:
             if operation == "release":
                 return hook.release(extra)  # by the ledger alone: its tokens may be gone
+            if facts is None:
+                return hook.reconnect(None) if operation == "reconnect" else 1
             claim = hook.claim(facts)
             if operation == "prepare":
                 return hook.prepare(claim) if claim else 0
@@ -180,6 +195,7 @@ class _Hook:
 
     def release(self, reason: str) -> int:
         from charly_arbiter.ledger import Ledger
+        from charly_arbiter.releasing import Releaser
 
         reason = "" if reason == "-" else reason
         lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
@@ -192,32 +208,56 @@ class _Hook:
         )
         if lease is None:
             return 0  # a refused prepare, or a holder whose lease moved: nothing is ours
-        if any(not record.restored for record in lease.stopped) and not nested:
+        success = reason != "failed"
+        arbiter = self.arbiter()
+        if lease.unrestored() and not nested:
             # Starting what the claim stopped calls libvirt and may take a while:
-            # a detached process does it, so `virsh destroy` returns at once.
-            _spawn_finish_release(self.config, self.ref, reason)
+            # a detached process does it, so `virsh destroy` returns at once.  The
+            # lease turns releasing first, under the lock, so that a `prepare` of
+            # this domain right after waits for the release to end.
+            if Releaser(arbiter).begin(self.ref, success, reason):
+                _spawn_finish_release(self.config, self.ref, reason, arbiter.owner)
             return 0
-        self.arbiter().release_claimant(self.ref, success=reason != "failed", reason=reason)
+        # libvirt says the domain has stopped: no need to ask whether it runs.
+        arbiter.release_claimant(self.ref, success=success, reason=reason, force=True)
         return 0
 
     def reconnect(self, claim: DomainClaim | None) -> int:
         """libvirtd restarted and found this domain running: its lease stays as it is."""
         from charly_arbiter.ledger import Ledger
 
-        lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
+        state = Ledger(self.config.state_dir).read()
+        lease = state.lease_of(self.ref)
         if lease is not None:
             self.log.info(
                 "%s runs on after a libvirtd restart; its %s lease stays", self.ref, lease.mode
             )
         elif claim is not None:
-            self.log.warning(
-                "%s runs with %s but holds no lease; run `charly-arbiter acquire --%s %s %s`",
-                self.ref,
-                ", ".join(claim.tokens),
-                claim.mode,
-                self.ref,
-                " ".join(claim.tokens),
+            others = sorted(
+                {other.claimant for token in claim.tokens for other in state.leases_on(token)}
             )
+            if others:
+                # Its GPU sits in another lease (left stranded while libvirtd was down):
+                # that one must be restored first, acquiring now would only be refused.
+                self.log.warning(
+                    "%s runs with %s but holds no lease; %s still lease it: run "
+                    "`charly-arbiter restore --stranded`, then `charly-arbiter acquire --%s %s %s`",
+                    self.ref,
+                    ", ".join(claim.tokens),
+                    ", ".join(others),
+                    claim.mode,
+                    self.ref,
+                    " ".join(claim.tokens),
+                )
+            else:
+                self.log.warning(
+                    "%s runs with %s but holds no lease; run `charly-arbiter acquire --%s %s %s`",
+                    self.ref,
+                    ", ".join(claim.tokens),
+                    claim.mode,
+                    self.ref,
+                    " ".join(claim.tokens),
+                )
         return 0
 
     def migrate(self, claim: DomainClaim | None) -> int:
@@ -252,11 +292,13 @@ def _refuse_listed_stops(arbiter: Any, ref: str, claim: DomainClaim, policy: Any
             )
 
 
-def _spawn_finish_release(config: Config, ref: str, reason: str) -> None:
+def _spawn_finish_release(config: Config, ref: str, reason: str, owner: ProcessRef) -> None:
     """Hand the rest of `release` to a process of its own, with nothing of libvirt's.
 
     The child gets a fixed environment, so it is pointed at the directory this
     package was loaded from (an installed package, or a checkout on PYTHONPATH).
+    It takes the releasing lease over from `owner` (this hook), which may have
+    exited by the time it looks.
     """
     from pathlib import Path
 
@@ -276,15 +318,17 @@ def _spawn_finish_release(config: Config, ref: str, reason: str) -> None:
             config.host,
             ref,
             reason or "-",
+            f"{owner.pid}:{owner.start}",
         ]
     )
 
 
 def _finish_release(argv: list[str]) -> int:
     """The detached half of `release`: send home, restore holders, drop the lease."""
-    if len(argv) != 5:
+    if len(argv) != 6:
         print(
-            f"charly-arbiter: usage: hook {DETACHED} CONFIG STATE_DIR HOST CLAIMANT REASON",
+            f"charly-arbiter: usage: hook {DETACHED} CONFIG STATE_DIR HOST CLAIMANT REASON "
+            "PID:START",
             file=sys.stderr,
         )
         return 2
@@ -296,9 +340,13 @@ def _finish_release(argv: list[str]) -> int:
     from charly_arbiter.hosts import open_host
     from charly_arbiter.ledger import Ledger
     from charly_arbiter.logsetup import log_setup
+    from charly_arbiter.model import ProcessRef
+    from charly_arbiter.releasing import Releaser
 
-    config_path, state_dir, host, ref, reason = argv
+    config_path, state_dir, host, ref, reason, began_by = argv
     reason = "" if reason == "-" else reason
+    pid, _, start = began_by.partition(":")
+    takeover = ProcessRef(int(pid), int(start or "0"))
     log_setup(1)
     config = load_config(
         None if config_path == "-" else Path(config_path), state_dir=Path(state_dir), host=host
@@ -307,16 +355,16 @@ def _finish_release(argv: list[str]) -> int:
     ledger = Ledger(config.state_dir, config.timeouts.lock_wait)
     arbiter = Arbiter(config, open_host(config), ledger, events_for(config))
     try:
-        arbiter.release_claimant(ref, success=reason != "failed", reason=reason)
+        Releaser(arbiter).finish(ref, reason != "failed", reason, takeover=takeover)
     finally:
         arbiter.host.close()
     return 0
 
 
 def _read_stdin() -> bytes:
-    """At most MAX_STDIN bytes; more than that is refused by the parser, not truncated."""
+    """The whole XML up to MAX_XML bytes (one byte more says it was larger)."""
     try:
-        return sys.stdin.buffer.read(MAX_STDIN + 1)
+        return sys.stdin.buffer.read(MAX_XML + 1)
     except (OSError, ValueError, AttributeError):
         return b""
 
@@ -346,6 +394,12 @@ def _log_to_file(config: Config) -> None:
 
 
 def _say(message: str, hint: str | None) -> None:
-    sentence = message if message.endswith(".") else f"{message}."
-    text = f"charly-arbiter: {sentence}" + (f" Hint: {hint}." if hint else "")
-    print(text.replace("..", "."), file=sys.stderr)
+    """One or two sentences on stderr; names in them (`libvirt:../../x`) stay as they are."""
+    text = f"charly-arbiter: {_sentence(message)}"
+    if hint:
+        text += f" Hint: {_sentence(hint)}"
+    print(text, file=sys.stderr)
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith((".", "!", "?")) else f"{text}."

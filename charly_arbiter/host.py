@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from charly_arbiter.model import ProcessRef
+
 # Switch targets: a driver name, or NO_DRIVER for "not vfio-pci, whatever the
 # kernel binds" (a function that had no driver when the token was first seen).
 NO_DRIVER = ""
@@ -45,6 +47,34 @@ class TokenSpec:
     home_driver: str | None = None  # from the configuration, when the operator set one
     cdi: bool = True
 
+    def foreign_functions(self) -> tuple[PciFunction, ...]:
+        """Members of the GPU's IOMMU group that are not functions of the GPU itself
+        (another slot: a NIC or a second card behind a switch without ACS).  An
+        exclusive claim would take them from the host too, so it is refused."""
+        slot = self.address.rsplit(".", 1)[0]
+        return tuple(f for f in self.functions if f.address.rsplit(".", 1)[0] != slot)
+
+
+def common_blocker(token: TokenSpec) -> Blocker | None:
+    """The reasons any host shares: no IOMMU group, or a group shared with other devices."""
+    for function in token.functions:
+        if function.iommu_group is None:
+            return Blocker(
+                f"the IOMMU is off ({function.address} has no IOMMU group)",
+                "enable VT-d or AMD-Vi in the firmware and boot with intel_iommu=on "
+                "(or amd_iommu=on), then run `charly-arbiter doctor`",
+            )
+    foreign = token.foreign_functions()
+    if foreign:
+        names = ", ".join(f"{f.address} (class {f.pci_class})" for f in foreign)
+        return Blocker(
+            f"its IOMMU group {token.functions[0].iommu_group} also holds {names}, "
+            "which would have to leave the host with it",
+            "put the card in a slot with an IOMMU group of its own "
+            "(`charly-arbiter detect` shows the groups)",
+        )
+    return None
+
 
 @dataclass(frozen=True)
 class Holder:
@@ -61,6 +91,14 @@ class Holder:
     how: str = "stop"
     detail: str = ""
     restartable: bool = True
+
+
+@dataclass(frozen=True)
+class Blocker:
+    """Why this host cannot pass a GPU through at all, and what would fix it."""
+
+    why: str
+    hint: str
 
 
 class Host(Protocol):
@@ -99,6 +137,21 @@ class Host(Protocol):
     def stop(self, ref: str) -> None: ...
 
     def start(self, ref: str) -> None: ...
+
+    def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
+        """What keeps the token from being passed through (no IOMMU, no vfio-pci,
+        an IOMMU group shared with other devices), checked before anything is
+        stopped; None when nothing does."""
+        ...
+
+    def current_process(self) -> ProcessRef:
+        """This process, as a lease records its writer."""
+        ...
+
+    def process_alive(self, process: ProcessRef) -> bool:
+        """Whether that very process still runs (pid and start time: a reused pid
+        or a zombie is not it)."""
+        ...
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         """Refresh the CDI spec after the token came home (no-op where there is none)."""

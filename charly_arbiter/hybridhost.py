@@ -16,7 +16,8 @@ from pathlib import Path
 from charly_arbiter.config import Config
 from charly_arbiter.errors import HostError
 from charly_arbiter.holders import SOURCES, HolderRegistry
-from charly_arbiter.host import Holder, Host, PciFunction, TokenSpec
+from charly_arbiter.host import Blocker, Holder, Host, PciFunction, TokenSpec
+from charly_arbiter.model import ProcessRef
 from charly_arbiter.simhost import SimHost
 
 
@@ -81,6 +82,15 @@ class HybridHost:
             self.real.for_ref(ref).start(ref)
         else:
             self.sim.start(ref)
+
+    def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
+        return self.sim.passthrough_blocker(token)
+
+    def current_process(self) -> ProcessRef:
+        return self.sim.current_process()
+
+    def process_alive(self, process: ProcessRef) -> bool:
+        return self.sim.process_alive(process)
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         self.sim.regenerate_cdi(token)

@@ -14,20 +14,16 @@ held are named `…_unlocked`.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
-import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import portalocker
-
-from charly_arbiter import ledger_format
+from charly_arbiter import files, ledger_format
 from charly_arbiter.crashpoints import crashpoint
-from charly_arbiter.errors import LedgerBusy, LedgerCorrupt, LedgerWriteFailed, StateDirUnsafe
+from charly_arbiter.errors import LedgerBusy, LedgerCorrupt, LedgerWriteFailed
 from charly_arbiter.model import LedgerState
 
 log = logging.getLogger(__name__)
@@ -44,7 +40,6 @@ class Transaction:
     """The state as read under the lock; assign `state` to have it written."""
 
     state: LedgerState
-    recovered_from_backup: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,63 +86,70 @@ class Ledger:
     def transaction(self) -> Iterator[Transaction]:
         """Hold the lock, load the state, and write it back if it was changed.
 
-        Keep the body short: never wait on the outside world inside it.
+        Keep the body short: never wait on the outside world inside it.  A
+        corrupt or unsafe ledger raises before the body runs, so a mutating
+        command fails closed and changes nothing.
         """
         self._check_state_dir(create=True)
         with self._locked():
-            txn = Transaction(*self._load_for_update_unlocked())
+            txn = Transaction(self._load_for_update_unlocked())
             before = txn.state
             yield txn
             if txn.state != before:
                 self._write_unlocked(replace(txn.state, generation=before.generation + 1))
+        crashpoint("ledger.unlocked")
 
-    def recover(self) -> LedgerState:
-        """Take the lock once: remove what an interrupted write left behind and
-        fall back to a verifying backup if the ledger is corrupt (`restore` runs
-        this first, so it converges even when no lease needs it)."""
+    def tidy(self) -> LedgerState:
+        """Take the lock once: remove what an interrupted write left behind (`restore`
+        runs this first, so it converges even when no lease needs it)."""
         with self.transaction() as txn:
             return txn.state
 
-    def _load_for_update_unlocked(self) -> tuple[LedgerState, bool]:
+    def _load_for_update_unlocked(self) -> LedgerState:
+        """The state to change, or `LedgerCorrupt`: a damaged ledger is never repaired
+        here.  With temp+fsync+rename a crash never tears it, so damage means something
+        else went wrong, and only an operator decides what the host really holds."""
         self._remove_stray_temp_unlocked()
         if not self.path.exists() and not self.path.is_symlink():
             if self.backup.exists():
                 # A ledger never disappears on its own; its backup says it existed.
                 raise LedgerCorrupt(self.path, f"it is missing but {self.backup} exists")
-            return LedgerState(), False
-        try:
-            return self._load_file(self.path), False
-        except LedgerCorrupt as error:
-            return self._fall_back_to_backup_unlocked(error), True
+            return LedgerState()
+        return self._load_file(self.path)
 
-    def _fall_back_to_backup_unlocked(self, error: LedgerCorrupt) -> LedgerState:
-        """Use `.bak` only when it verifies, and never overwrite the corrupt file."""
-        try:
-            state = self._load_file(self.backup)
-        except (LedgerCorrupt, FileNotFoundError):
-            raise LedgerCorrupt(
-                self.path,
-                f"{error.why}, and {self.backup} does not verify either",
-                hint=(
-                    f"move {self.path} aside, check which GPUs are on vfio-pci and which "
-                    "holders are stopped, then start again with an empty ledger"
-                ),
-            ) from None
-        aside = self.state_dir / f"{LEDGER}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
-        os.rename(self.path, aside)
-        _fsync_dir(self.state_dir)
-        # The backup becomes the ledger at once, whatever the caller does next
-        # (a refusal writes nothing): a missing ledger would be corrupt too.
-        self._write_unlocked(state)
-        log.warning(
-            "%s is corrupt (%s); moved it to %s and continued from %s (generation %d)",
-            self.path,
-            error.why,
-            aside,
-            self.backup,
-            state.generation,
-        )
-        return state
+    # -- recovery, only when an operator asks for it -----------------------------------
+
+    def backup_state(self) -> LedgerState:
+        """What the backup (the previous generation) says; raises `LedgerCorrupt`."""
+        self._check_state_dir(create=False)
+        if not self.backup.exists() and not self.backup.is_symlink():
+            raise LedgerCorrupt(self.backup, "there is no backup")
+        return self._load_file(self.backup)
+
+    def replace_corrupt(self, state: LedgerState) -> Path | None:
+        """Move a corrupt ledger aside (never overwritten) and write `state` in its place.
+
+        The written generation is higher than any the backup knew, so readers see
+        a change.  Returns where the corrupt file went (None when there was none).
+        Refuses when the ledger verifies: there is nothing to recover then.
+        """
+        self._check_state_dir(create=True)
+        with self._locked():
+            self._remove_stray_temp_unlocked()
+            aside = None
+            if self.path.exists() or self.path.is_symlink():
+                try:
+                    self._load_file(self.path)
+                except LedgerCorrupt:
+                    pass
+                else:
+                    raise LedgerCorrupt(self.path, "it verifies; there is nothing to recover")
+                stamp = time.strftime("%Y%m%dT%H%M%S")
+                aside = self.state_dir / f"{LEDGER}.corrupt-{stamp}-{os.getpid()}"
+                os.rename(self.path, aside)
+                files.fsync_dir(self.state_dir)
+            self._write_unlocked(replace(state, generation=state.generation + 1))
+            return aside
 
     def _write_unlocked(self, state: LedgerState) -> None:
         try:
@@ -166,9 +168,9 @@ class Ledger:
             raise LedgerWriteFailed(self.path, f"cannot create {temp}: {error}") from error
         try:
             half = len(data) // 2
-            _write_all(fd, data[:half])
+            files.write_all(fd, data[:half])
             crashpoint("ledger.write_half")
-            _write_all(fd, data[half:])
+            files.write_all(fd, data[half:])
             crashpoint("ledger.write_all")
             os.fsync(fd)  # an fsync error is fatal for this write: no retry, no rename
             crashpoint("ledger.fsync_temp")
@@ -183,7 +185,7 @@ class Ledger:
             crashpoint("ledger.backup")
             os.replace(temp, self.path)
             crashpoint("ledger.rename")
-            _fsync_dir(self.state_dir)
+            files.fsync_dir(self.state_dir)
             crashpoint("ledger.fsync_dir")
         except OSError as error:
             temp.unlink(missing_ok=True)
@@ -198,10 +200,8 @@ class Ledger:
 
     def _remove_stray_temp_unlocked(self) -> None:
         for name in (TEMP, f"{BACKUP}.tmp"):
-            stray = self.state_dir / name
-            if stray.exists() or stray.is_symlink():
-                log.info("removing %s left by an interrupted write", stray)
-                stray.unlink()
+            if files.remove_stray(self.state_dir / name):
+                log.info("removed %s, left by an interrupted write", self.state_dir / name)
 
     def _load_file(self, path: Path) -> LedgerState:
         self._check_file(path)
@@ -218,21 +218,11 @@ class Ledger:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = files.open_checked(self.lock_path, os.O_RDWR | os.O_CREAT)
         handle = os.fdopen(fd, "r+")
         try:
-            self._check_file(self.lock_path)
-            deadline = time.monotonic() + self.lock_timeout
-            while True:
-                try:
-                    portalocker.lock(handle, portalocker.LOCK_EX | portalocker.LOCK_NB)
-                    break
-                except portalocker.exceptions.LockException:
-                    if time.monotonic() >= deadline:
-                        raise LedgerBusy(
-                            self.lock_path, self.lock_timeout, _lock_holder(handle)
-                        ) from None
-                    time.sleep(_POLL)
+            if not files.lock_within(handle, self.lock_timeout):
+                raise LedgerBusy(self.lock_path, self.lock_timeout, _lock_holder(handle))
             # The pid is advisory (who last took the lock), for the LedgerBusy message.
             handle.seek(0)
             handle.truncate()
@@ -245,54 +235,11 @@ class Ledger:
     # -- safety of the state directory ------------------------------------------------
 
     def _check_state_dir(self, create: bool) -> None:
-        directory = self.state_dir
-        if create and not directory.exists() and not directory.is_symlink():
-            directory.mkdir(mode=0o700, parents=True)
-        try:
-            info = os.lstat(directory)
-        except FileNotFoundError:
-            return
-        if stat.S_ISLNK(info.st_mode):
-            raise StateDirUnsafe(directory, "it is a symlink")
-        if not stat.S_ISDIR(info.st_mode):
-            raise StateDirUnsafe(directory, "it is not a directory")
-        _check_owner_and_mode(directory, info)
+        files.check_directory(self.state_dir, create=create)
 
     def _check_file(self, path: Path) -> None:
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            return
-        if stat.S_ISLNK(info.st_mode):
-            raise StateDirUnsafe(path, "it is a symlink")
-        if not stat.S_ISREG(info.st_mode):
-            raise StateDirUnsafe(path, "it is not a regular file")
-        _check_owner_and_mode(path, info)
-
-
-def _check_owner_and_mode(path: Path, info: os.stat_result) -> None:
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise StateDirUnsafe(path, f"it is group- or world-writable (mode {info.st_mode:o})")
-    if os.geteuid() == 0 and info.st_uid != 0:
-        raise StateDirUnsafe(path, f"it is owned by uid {info.st_uid}, not root")
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError as error:
-        if error.errno != errno.EINVAL:  # some filesystems cannot fsync a directory
-            raise
-    finally:
-        os.close(fd)
+        # The ledger may have two links for a moment (while its backup is made).
+        files.check_existing(path, single_link=False)
 
 
 def _lock_holder(handle: object) -> int | None:

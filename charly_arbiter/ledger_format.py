@@ -23,7 +23,10 @@ from charly_arbiter.model import (
     StoppedHolder,
 )
 
-SCHEMA = 1
+SCHEMA = 2
+# Schema 1 (before the writer's start time and a stopped holder's tokens were
+# recorded) is read, and written back as schema 2 by the next transaction.
+READABLE_SCHEMAS = (1, 2)
 _FIRST_LINE = re.compile(rb'checksum = "sha256:([0-9a-f]{64})"\n')
 
 
@@ -83,6 +86,7 @@ def _lease_to_table(lease: Lease) -> dict[str, Any]:
         "boot_id": lease.boot_id,
         "created": lease.created,
         "owner_pid": lease.owner_pid,
+        "owner_start": lease.owner_start,
         "note": lease.note,
         "switched": {token: step.value for token, step in lease.switched},
         "stopped": [
@@ -91,6 +95,7 @@ def _lease_to_table(lease: Lease) -> dict[str, Any]:
                 "state": record.state.value,
                 "shared_tokens": list(record.shared_tokens),
                 "restored": record.restored,
+                "tokens": list(record.tokens),
             }
             for record in lease.stopped
         ],
@@ -98,13 +103,14 @@ def _lease_to_table(lease: Lease) -> dict[str, Any]:
 
 
 def _from_document(document: dict[str, Any]) -> LedgerState:
-    if _typed(document, "schema", int) != SCHEMA:
-        raise ValueError(f"schema {document['schema']} is not {SCHEMA}")
+    schema = _typed(document, "schema", int)
+    if schema not in READABLE_SCHEMAS:
+        raise ValueError(f"schema {schema} is not one this version reads ({SCHEMA})")
     homes = _typed(document, "homes", dict)
     poisoned = _typed(document, "poisoned", dict)
     return LedgerState(
         generation=_typed(document, "generation", int),
-        leases=tuple(_lease_from_table(t) for t in _typed(document, "leases", list)),
+        leases=tuple(_lease_from_table(t, schema) for t in _typed(document, "leases", list)),
         homes=tuple(
             (token, tuple(sorted(_string_map(home).items())))
             for token, home in sorted(homes.items())
@@ -116,35 +122,45 @@ def _from_document(document: dict[str, Any]) -> LedgerState:
     )
 
 
-def _lease_from_table(table: Any) -> Lease:
+def _lease_from_table(table: Any, schema: int) -> Lease:
     if not isinstance(table, dict):
         raise TypeError("a lease is not a table")
+    tokens = tuple(_strings(_typed(table, "tokens", list)))
     return Lease(
         claimant=_typed(table, "claimant", str),
         mode=Mode(_typed(table, "mode", str)),
-        tokens=tuple(_strings(_typed(table, "tokens", list))),
+        tokens=tokens,
         state=LeaseState(_typed(table, "state", str)),
         transient=_typed(table, "transient", bool),
         boot_id=_typed(table, "boot_id", str),
         created=_typed(table, "created", str),
         owner_pid=_typed(table, "owner_pid", int),
+        owner_start=_typed(table, "owner_start", int) if schema >= 2 else 0,
         note=_typed(table, "note", str),
         switched=tuple(
             (token, StepState(step))
             for token, step in sorted(_string_map(_typed(table, "switched", dict)).items())
         ),
-        stopped=tuple(_stopped_from_table(t) for t in _typed(table, "stopped", list)),
+        stopped=tuple(
+            _stopped_from_table(t, schema, tokens) for t in _typed(table, "stopped", list)
+        ),
     )
 
 
-def _stopped_from_table(table: Any) -> StoppedHolder:
+def _stopped_from_table(table: Any, schema: int, lease_tokens: tuple[str, ...]) -> StoppedHolder:
     if not isinstance(table, dict):
         raise TypeError("a stopped holder is not a table")
+    shared_tokens = tuple(_strings(_typed(table, "shared_tokens", list)))
+    if schema >= 2:
+        tokens = tuple(_strings(_typed(table, "tokens", list)))
+    else:  # not recorded then: the holder used what it shared, or the lease's tokens
+        tokens = shared_tokens or lease_tokens
     return StoppedHolder(
         holder=_typed(table, "holder", str),
         state=StepState(_typed(table, "state", str)),
-        shared_tokens=tuple(_strings(_typed(table, "shared_tokens", list))),
+        shared_tokens=shared_tokens,
         restored=_typed(table, "restored", bool),
+        tokens=tokens,
     )
 
 

@@ -8,26 +8,12 @@ exactly these.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
 
 from charly_arbiter.host import Host
-from charly_arbiter.model import Lease, LeaseState, LedgerState
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` still runs (the writer of an in-progress lease)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from charly_arbiter.model import Lease, LeaseState, LedgerState, ProcessRef
 
 
 def claimant_liveness(host: Host, state: LedgerState | None, boot_id: str) -> dict[str, bool]:
@@ -48,9 +34,13 @@ def stranded_claimants(
     *,
     grace: float,
     is_running: Callable[[str], bool],
+    process_alive: Callable[[ProcessRef], bool],
     alive: Mapping[str, bool] | None = None,
 ) -> frozenset[str]:
     """Leases from an earlier boot, of a dead writer, or of a claimant gone.
+
+    The writer of an acquiring or releasing lease is known by pid and start
+    time: a zombie, or another process that got its pid, is not it.
 
     A claimant may not run yet within `grace` seconds of its claim (a VM
     between its prepare hook and its start).  With `alive` (asked before the
@@ -62,7 +52,8 @@ def stranded_claimants(
         if lease.boot_id != boot_id:
             stranded.add(lease.claimant)
         elif lease.state is not LeaseState.ACTIVE:
-            if not pid_alive(lease.owner_pid):
+            owner = lease.owner
+            if owner is None or not process_alive(owner):
                 stranded.add(lease.claimant)
         elif _young(lease, grace):
             continue

@@ -11,6 +11,7 @@ code runs against a fake tree in tests and the real one in a VM.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -20,14 +21,17 @@ from charly_arbiter.config import Config
 from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed
 from charly_arbiter.holders import SOURCES, HolderRegistry, HolderSource
 from charly_arbiter.holders.process import ProcessHolders
-from charly_arbiter.host import Holder, PciFunction, TokenSpec
+from charly_arbiter.host import Blocker, Holder, PciFunction, TokenSpec, common_blocker
+from charly_arbiter.model import VFIO, ProcessRef
 from charly_arbiter.nvml import Nvml
+from charly_arbiter.procscan import process_alive, process_ref
 from charly_arbiter.sysfs import DEV_ROOT, PROC_ROOT, SYS_ROOT, Switcher, Sysfs
 from charly_arbiter.sysfs import write_attribute as default_writer
 
 log = logging.getLogger(__name__)
 
 CDI_SPEC = Path("/etc/cdi/nvidia.yaml")
+MODULES_ROOT = Path("/lib/modules")
 NVIDIA_VENDOR = "10de"
 
 
@@ -41,10 +45,12 @@ class LocalHost:
         dev_root: Path = DEV_ROOT,
         writer: Writer = default_writer,
         cdi_spec: Path = CDI_SPEC,
+        modules_root: Path = MODULES_ROOT,
         registry: HolderRegistry | None = None,
         isolate_writes: bool = True,
     ) -> None:
         self.config = config
+        self.modules_root = modules_root
         self.description = "local" if sys_root == SYS_ROOT else f"local (sysfs at {sys_root})"
         self.sysfs = Sysfs(sys_root, writer)
         self.proc_root = proc_root
@@ -95,6 +101,36 @@ class LocalHost:
                 )
         self.nvml.close()  # an open NVML session holds /dev/nvidia* itself
         self.switcher.switch(targets)
+
+    def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
+        blocker = common_blocker(token)
+        if blocker is None and not self._vfio_available():
+            blocker = Blocker(
+                "vfio-pci is neither loaded nor installed for this kernel",
+                "install the kernel's modules package (vfio-pci is part of it) "
+                "and check `modprobe vfio-pci`",
+            )
+        return blocker
+
+    def _vfio_available(self) -> bool:
+        """Loaded, built in, or listed among this kernel's modules (modprobe loads it)."""
+        if self.sysfs.driver(VFIO).is_dir() or (self.sysfs.root / "module" / "vfio_pci").is_dir():
+            return True
+        release = self.modules_root / os.uname().release
+        for listing in ("modules.dep", "modules.builtin"):
+            try:
+                text = (release / listing).read_text(errors="replace")
+            except OSError:
+                continue
+            if "/vfio-pci.ko" in text or "/vfio_pci.ko" in text:
+                return True
+        return False
+
+    def current_process(self) -> ProcessRef:
+        return process_ref(self.proc_root, os.getpid()) or ProcessRef(os.getpid())
+
+    def process_alive(self, process: ProcessRef) -> bool:
+        return process_alive(self.proc_root, process)
 
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
         """Processes holding the tokens' device nodes, then every other holder kind.

@@ -43,9 +43,32 @@ class LeaseState(StrEnum):
 
 
 class StepState(StrEnum):
+    """A step of an intent: a switch or a holder's stop, planned then done.
+
+    A stopped holder's record is STARTING while the lease that owns it starts
+    the holder again: an exclusive claim that wants one of the holder's tokens
+    then waits instead of taking the record over (see planner.decide_claim).
+    """
+
     PLANNED = "planned"
     DONE = "done"
-    FAILED = "failed"
+    STARTING = "starting"
+
+
+@dataclass(frozen=True, order=True)
+class ProcessRef:
+    """A process, told apart from a later one that reuses its pid.
+
+    `start` is the process's start time in clock ticks since boot
+    (`/proc/PID/stat` field 22); 0 means unknown (a ledger from before it was
+    recorded), in which case only the pid and its state can be checked.
+    """
+
+    pid: int
+    start: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.pid}" if not self.start else f"{self.pid} (started at tick {self.start})"
 
 
 @dataclass(frozen=True, order=True)
@@ -86,6 +109,9 @@ class StoppedHolder:
     state: StepState = StepState.PLANNED
     shared_tokens: tuple[str, ...] = ()
     restored: bool = False
+    # The tokens the holder used when it was stopped: whoever holds one of them
+    # exclusively when it would come back keeps it stopped instead.
+    tokens: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,10 +124,26 @@ class Lease:
     boot_id: str
     created: str
     owner_pid: int = 0
+    owner_start: int = 0
     stopped: tuple[StoppedHolder, ...] = ()
     # token -> StepState of its driver switch (planned while acquiring/releasing)
     switched: tuple[tuple[str, StepState], ...] = ()
     note: str = ""
+
+    @property
+    def owner(self) -> ProcessRef | None:
+        """The process carrying out an acquiring or releasing lease (None when active)."""
+        return ProcessRef(self.owner_pid, self.owner_start) if self.owner_pid > 0 else None
+
+    def owned_by(self, owner: ProcessRef | None) -> Lease:
+        """The same lease with `owner` as its writer (None: nobody, once active)."""
+        if owner is None:
+            return replace(self, owner_pid=0, owner_start=0)
+        return replace(self, owner_pid=owner.pid, owner_start=owner.start)
+
+    def unrestored(self) -> tuple[StoppedHolder, ...]:
+        """The holders this lease stopped and has not brought back (or handed on) yet."""
+        return tuple(record for record in self.stopped if not record.restored)
 
     def switch_state(self, token: str) -> StepState | None:
         return dict(self.switched).get(token)

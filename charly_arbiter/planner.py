@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from charly_arbiter.errors import ClaimRefused, TokenPoisoned
-from charly_arbiter.host import NO_DRIVER, Holder, TokenSpec
+from charly_arbiter.errors import ClaimRefused, PassthroughImpossible, TokenPoisoned
+from charly_arbiter.host import NO_DRIVER, Blocker, Holder, TokenSpec
 from charly_arbiter.model import (
     VFIO,
     Lease,
@@ -36,6 +36,7 @@ class StopStep:
     holder: str
     how: str
     shared_tokens: tuple[str, ...] = ()  # set when the holder is a shared claimant
+    tokens: tuple[str, ...] = ()  # the tokens it uses (where it must not come back)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,13 @@ class ClaimPlan:
     stops: tuple[StopStep, ...] = ()
     switches: tuple[Switch, ...] = ()
     preempted_leases: tuple[str, ...] = ()  # shared claimants whose leases move into this one
-    inherited: tuple[StoppedHolder, ...] = ()  # holders those leases had stopped
+    # Holders stopped by other leases that this one now keeps stopped: those of
+    # the preempted leases, and those a releasing lease has not started yet but
+    # which use a token this claim takes (it brings them back instead).
+    inherited: tuple[StoppedHolder, ...] = ()
+    taken_over: tuple[
+        tuple[str, str], ...
+    ] = ()  # (lease, holder) records taken from releasing leases
     homes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     cdi_tokens: tuple[str, ...] = ()
     already_held: bool = False
@@ -104,18 +111,26 @@ def decide_claim(
     transient: bool = False,
     policy: Policy = NO_POLICY,
     boot_id: str | None = None,
+    blockers: Mapping[str, Blocker] | None = None,
 ) -> ClaimPlan:
     """Decide a claim, or raise the `ClaimRefused` that says why it cannot be had.
 
     `boot_id` is the current boot's: a lease of the claimant's own from an earlier
     boot is not "already held" (the reboot undid it on the host) but refused
-    until `restore` has removed it, loudly.
+    until `restore` has removed it, loudly.  `blockers` say which tokens this
+    host cannot pass through at all; an exclusive claim on one is refused
+    before anything is stopped.
     """
     names = tuple(token.name for token in tokens)
     for token in tokens:
         poison = ledger.poison_of(token.name)
         if poison is not None:
             raise TokenPoisoned(token.name, claimant, poison.reason, poison.since)
+    if mode is Mode.EXCLUSIVE:
+        for token in tokens:
+            blocker = (blockers or {}).get(token.name)
+            if blocker is not None:
+                raise PassthroughImpossible(_label(token), claimant, blocker.why, blocker.hint)
 
     own = ledger.lease_of(claimant)
     if own is not None and boot_id is not None and own.boot_id != boot_id:
@@ -128,6 +143,19 @@ def decide_claim(
     if own is not None:
         if own.state is LeaseState.ACTIVE and own.mode is mode and set(own.tokens) == set(names):
             return ClaimPlan(claimant, mode, names, transient, already_held=True)
+        if own.state is LeaseState.RELEASING:
+            # A VM destroyed and started at once: its release is still under way
+            # (it may be between the hook that began it and the process that
+            # finishes it, and look stranded for that moment).
+            raise ClaimRefused(
+                ", ".join(own.tokens),
+                claimant,
+                "its previous lease is still being released",
+                hint=f"run `charly-arbiter restore {claimant}` if no release is running"
+                if claimant in stranded
+                else "try again once the release has finished",
+                retry=True,
+            )
         raise ClaimRefused(
             ", ".join(own.tokens),
             claimant,
@@ -159,10 +187,11 @@ def decide_claim(
                     claimant,
                     f"the shared lease of {lease.claimant} is {lease.state}",
                     hint="try again in a moment",
+                    retry=True,
                 )
 
     if mode is Mode.EXCLUSIVE:
-        return _decide_exclusive(ledger, claimant, tokens, holders, transient, policy)
+        return _decide_exclusive(ledger, claimant, tokens, holders, stranded, transient, policy)
     return _decide_shared(ledger, claimant, tokens, holders, transient, policy)
 
 
@@ -171,6 +200,7 @@ def _decide_exclusive(
     claimant: str,
     tokens: Sequence[TokenSpec],
     holders: Sequence[Holder],
+    stranded: frozenset[str],
     transient: bool,
     policy: Policy,
 ) -> ClaimPlan:
@@ -183,17 +213,19 @@ def _decide_exclusive(
         shared_here = [t for t in lease.tokens if t in names and blocks_token(lease, t)]
         if lease.mode is Mode.SHARED and shared_here and lease.claimant != claimant:
             preempted[lease.claimant] = lease.tokens
-            inherited.extend(record for record in lease.stopped if not record.restored)
+            inherited.extend(lease.unrestored())
+    taken_over = _take_over_pending_restarts(ledger, claimant, tokens, stranded, preempted)
+    inherited.extend(record for _, record in taken_over)
 
     stops: list[StopStep] = []
     for holder in _running_holders(holders, claimant, names):
         if holder.ref in preempted:
             continue
         _refuse_unless_preemptible(holder, claimant, tokens, policy)
-        stops.append(StopStep(holder.ref, holder.how))
+        stops.append(StopStep(holder.ref, holder.how, tokens=holder.tokens))
     how = {holder.ref: holder.how for holder in holders}
     for ref, shared_tokens in preempted.items():
-        stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens))
+        stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens, shared_tokens))
 
     switches = tuple(
         Switch(token.name, function.address, function.driver, VFIO)
@@ -210,8 +242,48 @@ def _decide_exclusive(
         switches=switches,
         preempted_leases=tuple(preempted),
         inherited=tuple(inherited),
+        taken_over=tuple((lease, record.holder) for lease, record in taken_over),
         homes={token.name: home_map(ledger, token) for token in tokens},
     )
+
+
+def _take_over_pending_restarts(
+    ledger: LedgerState,
+    claimant: str,
+    tokens: Sequence[TokenSpec],
+    stranded: frozenset[str],
+    preempted: Mapping[str, tuple[str, ...]],
+) -> list[tuple[str, StoppedHolder]]:
+    """Records of holders a releasing lease will start again on tokens this claim takes.
+
+    Started now, such a holder would run on a GPU this claim holds exclusively;
+    so the claim keeps it stopped and brings it back itself.  One that is being
+    started right now (STARTING) cannot be taken: the claim waits until it runs
+    and then stops it like any other holder.
+    """
+    names = {token.name for token in tokens}
+    label = {token.name: _label(token) for token in tokens}
+    taken = []
+    for lease in ledger.leases:
+        if lease.state is not LeaseState.RELEASING or lease.claimant in preempted:
+            continue
+        for record in lease.unrestored():
+            used = [t for t in record.tokens if t in names]
+            if not used or record.holder == claimant:
+                continue
+            if record.state is StepState.STARTING:
+                stale = lease.claimant in stranded
+                raise ClaimRefused(
+                    label[used[0]],
+                    claimant,
+                    f"{record.holder} is being started again by the release of {lease.claimant}",
+                    hint="run `charly-arbiter restore --stranded` first"
+                    if stale
+                    else "try again in a moment",
+                    retry=not stale,
+                )
+            taken.append((lease.claimant, record))
+    return taken
 
 
 def _decide_shared(
@@ -235,7 +307,7 @@ def _decide_shared(
         # A shared claimant already shares; anything else that is preemptible makes room.
         if holder.preemptible and holder.ref not in claimants:
             _refuse_unless_preemptible(holder, claimant, first, policy)
-            stops.append(StopStep(holder.ref, holder.how))
+            stops.append(StopStep(holder.ref, holder.how, tokens=holder.tokens))
     switches = []
     homes = {}
     for token in first:

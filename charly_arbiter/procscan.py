@@ -12,6 +12,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from charly_arbiter.model import ProcessRef
+
 
 @dataclass(frozen=True)
 class OpenNode:
@@ -74,9 +76,36 @@ def program_name(proc_root: Path, pid: int) -> str:
 
 def alive(proc_root: Path, pid: int) -> bool:
     """Whether `pid` exists and is not a zombie (a zombie holds nothing)."""
-    try:
-        stat = (proc_root / str(pid) / "stat").read_text()
-    except OSError:
+    fields = _stat_fields(proc_root, pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
+
+
+def process_ref(proc_root: Path, pid: int) -> ProcessRef | None:
+    """`pid` with its start time, or None when no such process runs."""
+    fields = _stat_fields(proc_root, pid)
+    if len(fields) <= _STARTTIME or fields[0] in ("Z", "X") or not fields[_STARTTIME].isdigit():
+        return None
+    return ProcessRef(pid, int(fields[_STARTTIME]))
+
+
+def process_alive(proc_root: Path, ref: ProcessRef) -> bool:
+    """Whether the very process `ref` names still runs: not a zombie, and not a
+    later process that reuses its pid (its start time differs)."""
+    if ref.pid <= 0:
         return False
-    state = stat.rpartition(")")[2].split()
-    return bool(state) and state[0] not in ("Z", "X")
+    found = process_ref(proc_root, ref.pid)
+    return found is not None and (ref.start == 0 or found.start == ref.start)
+
+
+# /proc/PID/stat: "PID (COMM) STATE PPID ...": the fields after the command name,
+# which may itself contain spaces and parentheses; starttime is field 22 of the
+# whole line, the 20th after the command.
+_STARTTIME = 19
+
+
+def _stat_fields(proc_root: Path, pid: int) -> list[str]:
+    try:
+        text = (proc_root / str(pid) / "stat").read_text()
+    except (OSError, ValueError):
+        return []
+    return text.rpartition(")")[2].split()

@@ -7,19 +7,24 @@ acts outside the lock, and records each step, so that a crash leaves a lease
 `restore` can finish.  A shared lease that is not the last on its GPU sends
 nothing home: what it stopped belongs to the GPU, and moves to a lease that
 stays.
+
+Bringing a holder back is decided under the lock, one holder at a time: if an
+exclusive lease now holds one of the holder's tokens, the record moves to that
+lease (it brings the holder back when it ends); otherwise the record turns
+STARTING, which keeps any new exclusive claim on those tokens waiting until
+the holder runs (and, for a preempted shared claimant, has its lease back).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from charly_arbiter.crashpoints import crashpoint
-from charly_arbiter.errors import ArbiterError, LeaseInProgress, SwitchFailed
+from charly_arbiter.errors import ArbiterError, ClaimantRunning, LeaseInProgress, SwitchFailed
 from charly_arbiter.events import drivers_label
 from charly_arbiter.host import TokenSpec
-from charly_arbiter.liveness import pid_alive
 from charly_arbiter.model import (
     VFIO,
     Claimant,
@@ -27,6 +32,7 @@ from charly_arbiter.model import (
     LeaseState,
     LedgerState,
     Mode,
+    ProcessRef,
     StepState,
     StoppedHolder,
     now,
@@ -39,6 +45,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _Comeback:
+    """What to do about one stopped holder, decided under the lock."""
+
+    record: StoppedHolder
+    start: bool  # False: handed to another lease, or another lease brings it back
+
+
 class Releaser:
     """The release steps, over the arbiter's ledger, host and events."""
 
@@ -47,90 +61,115 @@ class Releaser:
         self.ledger = arbiter.ledger
         self.host = arbiter.host
         self.events = arbiter.events
-        self.pid = arbiter.pid
+        self.owner = arbiter.owner
 
-    def release_claimant(self, claimant: str, success: bool = True, reason: str = "") -> bool:
-        """Remove the claimant's lease; the last lease on a token sends it home and
-        brings back what was stopped for it.  Returns False when there was no lease.
-
-        Failures restoring holders are logged and leave the lease for `restore`;
-        this never raises for them, because it runs when a VM stops.
-        """
+    def release_claimant(
+        self, claimant: str, success: bool = True, reason: str = "", *, force: bool = False
+    ) -> bool:
+        """See `Arbiter.release_claimant`."""
         claimant = str(Claimant.parse(claimant))
-        if self.ledger.read().lease_of(claimant) is None:
+        lease = self.ledger.read().lease_of(claimant)
+        if lease is None:
             return False
+        if not force and self._still_runs(lease):
+            raise ClaimantRunning(claimant, "releasing")
         self.events.emit(
             "release" if success else "failed", claimant=claimant, why=reason or "released"
         )
         return self.finish(claimant, success, reason)
 
-    def finish(self, claimant: str, success: bool, reason: str) -> bool:
-        current = self.ledger.read().lease_of(claimant)
-        if current is None:
-            return False
-        holder_tokens = self._holder_tokens(current)  # outside the lock: this may ask libvirt
+    def begin(self, claimant: str, success: bool, reason: str) -> bool:
+        """Only the first step: mark the lease releasing, under the lock.
+
+        The libvirt hook does this before it hands the rest to a detached
+        process, so that a `prepare` of the same VM right after (destroy, then
+        start) finds the lease releasing and waits, instead of finding it
+        active and starting the VM without one.  False when there is no lease.
+        """
+        claimant = str(Claimant.parse(claimant))
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is None:
                 return False
-            if self._owned_by_another_live_process(lease):
-                # Tearing down a claim another process is still carrying out
-                # would race with its steps; it finishes (or rolls back) itself.
-                raise LeaseInProgress(claimant, str(lease.state), lease.owner_pid)
-            lease, txn.state = self._release_intent_unlocked(
-                txn.state, lease, success, reason, holder_tokens
-            )
+            self._refuse_if_in_progress(lease)
+            _, txn.state = self._release_intent_unlocked(txn.state, lease, success, reason)
+        self.events.emit(
+            "release" if success else "failed", claimant=claimant, why=reason or "released"
+        )
         crashpoint("release.intent")
-        if lease is None:
+        return True
+
+    def finish(
+        self, claimant: str, success: bool, reason: str, takeover: ProcessRef | None = None
+    ) -> bool:
+        """Release the lease to the end.  `takeover` is the process that began this
+        release and handed it on (the hook): its lease is continued, not refused."""
+        with self.ledger.transaction() as txn:
+            lease = txn.state.lease_of(claimant)
+            if lease is None:
+                return False
+            if (
+                takeover is not None
+                and lease.state is LeaseState.RELEASING
+                and lease.owner == takeover
+            ):
+                releasing: Lease | None = lease.owned_by(self.owner)
+                txn.state = txn.state.with_lease(lease.owned_by(self.owner))
+            else:
+                self._refuse_if_in_progress(lease)
+                releasing, txn.state = self._release_intent_unlocked(
+                    txn.state, lease, success, reason
+                )
+        crashpoint("release.intent")
+        if releasing is None:
             return True
+        self.carry_out(claimant, releasing)
+        return True
+
+    def carry_out(self, claimant: str, lease: Lease) -> None:
+        """Everything after the intent: tokens home, holders back, the lease gone."""
         tokens = {spec.name: spec for spec in self.arbiter.known_specs(lease.tokens)}
-        complete = True
         for name in lease.tokens:
-            if lease.switch_state(name) is StepState.DONE:
-                continue
-            complete &= self._send_home(claimant, tokens.get(name))
-        complete &= self._restore_holders(claimant, holder_tokens)
+            if lease.switch_state(name) is not StepState.DONE:
+                self._send_home(claimant, tokens.get(name))
+        self._restore_holders(claimant)
         crashpoint("release.restored")
         with self.ledger.transaction() as txn:
             current = txn.state.lease_of(claimant)
             if current is None:
-                return True
-            if complete:
+                return
+            done = not current.unrestored() and all(
+                step is StepState.DONE for _, step in current.switched
+            )
+            if done:
                 txn.state = txn.state.without_lease(claimant)
             else:
-                txn.state = txn.state.with_lease(replace(current, owner_pid=0))
-        if not complete:
+                txn.state = txn.state.with_lease(current.owned_by(None))
+        if not done:
             log.error("%s: release incomplete; run `charly-arbiter restore %s`", claimant, claimant)
-        return True
 
-    def _owned_by_another_live_process(self, lease: Lease) -> bool:
+    def _still_runs(self, lease: Lease) -> bool:
         return (
-            lease.state is not LeaseState.ACTIVE
-            and lease.owner_pid not in (0, self.pid)
+            lease.state is LeaseState.ACTIVE
             and lease.boot_id == self.host.boot_id()
-            and pid_alive(lease.owner_pid)
+            and self.host.is_running(lease.claimant)
         )
 
-    def _holder_tokens(self, lease: Lease) -> dict[str, set[str]]:
-        """Which tokens each holder the lease stopped uses (for hand-overs)."""
-        try:
-            holders = self.host.holders(list(self.arbiter.tokens().values()))
-        except ArbiterError as error:
-            log.warning("%s: cannot list the holders: %s", lease.claimant, error)
-            holders = []
-        found = {holder.ref: set(holder.tokens) for holder in holders}
-        for record in lease.stopped:
-            if record.shared_tokens:
-                found[record.holder] = set(record.shared_tokens)
-        return found
+    def _refuse_if_in_progress(self, lease: Lease) -> None:
+        """Tearing down a claim another live process is still carrying out would
+        race with its steps; it finishes (or rolls back) itself."""
+        owner = lease.owner
+        if (
+            lease.state is not LeaseState.ACTIVE
+            and owner is not None
+            and owner != self.owner
+            and lease.boot_id == self.host.boot_id()
+            and self.host.process_alive(owner)
+        ):
+            raise LeaseInProgress(lease.claimant, str(lease.state), owner.pid)
 
     def _release_intent_unlocked(
-        self,
-        state: LedgerState,
-        lease: Lease,
-        success: bool,
-        reason: str,
-        holder_tokens: dict[str, set[str]] | None = None,
+        self, state: LedgerState, lease: Lease, success: bool, reason: str
     ) -> tuple[Lease | None, LedgerState]:
         """Mark the lease releasing, handing stopped holders to a lease that stays.
 
@@ -155,7 +194,7 @@ class Releaser:
             held = {t for t in lease.tokens if any(blocks_token(o, t) for o in others)}
             kept = []
             for record in lease.stopped:
-                uses = (holder_tokens or {}).get(record.holder, set(lease.tokens)) & held
+                uses = set(record.tokens or lease.tokens) & held
                 heir = next(
                     (
                         heir_lease
@@ -186,15 +225,14 @@ class Releaser:
         releasing = replace(
             lease,
             state=LeaseState.RELEASING,
-            owner_pid=self.pid,
             switched=tuple(sorted(switched)),
             note=note or lease.note,
-        )
+        ).owned_by(self.owner)
         return releasing, state.with_lease(releasing)
 
-    def _send_home(self, claimant: str, token: TokenSpec | None) -> bool:
+    def _send_home(self, claimant: str, token: TokenSpec | None) -> None:
         if token is None:
-            return True
+            return
         state = self.ledger.read()
         if state.poison_of(token.name) is not None:
             log.warning("%s: poisoned, left where it is", token.name)
@@ -215,79 +253,72 @@ class Releaser:
                     self.arbiter.switch_token(token, targets, claimant)
                 except SwitchFailed as error:
                     log.error("%s: could not return home: %s", token.name, error)
-                    return False
+                    return
             if token.cdi:
                 self.arbiter.regenerate_cdi(token)
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
                 txn.state = txn.state.with_lease(lease.with_switch(token.name, StepState.DONE))
-        return True
 
-    def _restore_holders(
-        self, claimant: str, holder_tokens: dict[str, set[str]] | None = None
-    ) -> bool:
-        lease = self.ledger.read().lease_of(claimant)
-        if lease is None:
-            return True
-        complete = True
-        for record in reversed(lease.stopped):
-            if record.restored:
+    def _restore_holders(self, claimant: str) -> None:
+        """Bring back, one by one, every holder the lease still records (including
+        records handed to it meanwhile), newest first."""
+        attempted: set[str] = set()
+        while True:
+            comeback = self._next_comeback(claimant, attempted)
+            if comeback is None:
+                return
+            record = comeback.record
+            attempted.add(record.holder)
+            if not comeback.start:
                 continue
             crashpoint("release.start")
             try:
-                uses = (holder_tokens or {}).get(record.holder, set())
-                if self._hand_to_exclusive_holder(claimant, record, uses):
-                    continue
-                self._restore_one(claimant, record)
+                self._start(claimant, record)
             except ArbiterError as error:
                 log.error("%s: could not restore %s: %s", claimant, record.holder, error)
                 self.events.emit(
                     "restore-failed", claimant=claimant, holder=record.holder, why=str(error)
                 )
-                complete = False
-        return complete
+                self._set_record(claimant, replace(record, state=StepState.DONE))
+                continue
+            self._came_back(claimant, record)
 
-    def _hand_to_exclusive_holder(
-        self, claimant: str, record: StoppedHolder, uses: set[str]
-    ) -> bool:
-        """Give the record to an exclusive lease that now holds one of the holder's
-        tokens, instead of starting the holder under it; that lease brings it back."""
+    def _next_comeback(self, claimant: str, attempted: set[str]) -> _Comeback | None:
+        """Under the lock: hand the next record on, or mark it STARTING."""
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
-            heir = next(
-                (
-                    other
-                    for other in txn.state.leases
-                    if other.claimant != claimant
-                    and other.mode is Mode.EXCLUSIVE
-                    and other.state is not LeaseState.RELEASING
-                    and any(blocks_token(other, token) for token in uses)
-                ),
-                None,
-            )
-            if lease is None or heir is None:
-                return False
-            if all(r.holder != record.holder or r.restored for r in heir.stopped):
-                txn.state = txn.state.with_lease(heir.with_stopped(record))
-            lease = txn.state.lease_of(claimant) or lease
-            txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
-        log.info("%s: %s stays stopped for %s", claimant, record.holder, heir.claimant)
-        return True
+            if lease is None:
+                return None
+            pending = [r for r in reversed(lease.unrestored()) if r.holder not in attempted]
+            if not pending:
+                return None
+            record = pending[0]
+            heir = _exclusive_heir(txn.state, claimant, record)
+            if heir is not None:
+                # It stays stopped; the lease that now holds its GPU brings it back.
+                if all(r.holder != record.holder for r in heir.unrestored()):
+                    txn.state = txn.state.with_lease(
+                        heir.with_stopped(replace(record, state=StepState.DONE))
+                    )
+                lease = txn.state.lease_of(claimant) or lease
+                txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
+                log.info("%s: %s stays stopped for %s", claimant, record.holder, heir.claimant)
+                return _Comeback(record, start=False)
+            if any(
+                other.claimant != claimant
+                and any(r.holder == record.holder for r in other.unrestored())
+                for other in txn.state.leases
+            ):
+                # Another claim stopped it too; that one brings it back.
+                txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
+                return _Comeback(record, start=False)
+            starting = replace(record, state=StepState.STARTING)
+            txn.state = txn.state.with_lease(lease.with_stopped(starting))
+            return _Comeback(starting, start=True)
 
-    def _restore_one(self, claimant: str, record: StoppedHolder) -> None:
-        """Start the holder again and give a shared claimant its lease back."""
-        state = self.ledger.read()
-        elsewhere = [
-            lease
-            for lease in state.leases
-            if lease.claimant != claimant
-            and any(r.holder == record.holder and not r.restored for r in lease.stopped)
-        ]
-        if elsewhere:
-            # Another claim stopped it too; that one brings it back.
-            self._mark_restored(claimant, record)
-            return
+    def _start(self, claimant: str, record: StoppedHolder) -> None:
         # A planned stop may have happened just before a crash: whatever is not
         # running now was running when the claim was decided.
         if not self.host.is_running(record.holder):
@@ -299,14 +330,21 @@ class Releaser:
                     "%s: %s cannot be started again (a terminated process)", claimant, record.holder
                 )
         self.events.emit("restored", claimant=claimant, holder=record.holder)
-        if record.shared_tokens and self.host.is_running(record.holder):
-            self._reinstate_shared_lease(record)
-        self._mark_restored(claimant, record)
 
-    def _reinstate_shared_lease(self, record: StoppedHolder) -> None:
+    def _came_back(self, claimant: str, record: StoppedHolder) -> None:
+        """Mark it restored, and give a preempted shared claimant its lease back.
+
+        While the record was STARTING no exclusive claim could take its tokens,
+        so the shared lease can be recreated without checking again.
+        """
+        running = bool(record.shared_tokens) and self.host.is_running(record.holder)
         boot_id = self.host.boot_id()
         with self.ledger.transaction() as txn:
-            if txn.state.lease_of(record.holder) is None:  # its own hook may have done it
+            lease = txn.state.lease_of(claimant)
+            if lease is not None:
+                txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
+            if running and txn.state.lease_of(record.holder) is None:
+                # (Its own hook may already have claimed again while it started.)
                 txn.state = txn.state.with_lease(
                     Lease(
                         claimant=record.holder,
@@ -319,8 +357,24 @@ class Releaser:
                     )
                 )
 
-    def _mark_restored(self, claimant: str, record: StoppedHolder) -> None:
+    def _set_record(self, claimant: str, record: StoppedHolder) -> None:
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
-                txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
+                txn.state = txn.state.with_lease(lease.with_stopped(record))
+
+
+def _exclusive_heir(state: LedgerState, claimant: str, record: StoppedHolder) -> Lease | None:
+    """An exclusive lease, not itself ending, that holds one of the holder's tokens."""
+    uses = record.tokens or record.shared_tokens
+    return next(
+        (
+            other
+            for other in state.leases
+            if other.claimant not in (claimant, record.holder)
+            and other.mode is Mode.EXCLUSIVE
+            and other.state is not LeaseState.RELEASING
+            and any(blocks_token(other, token) for token in uses)
+        ),
+        None,
+    )

@@ -22,13 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from charly_arbiter.errors import HolderError, HostError, SwitchFailed
-from charly_arbiter.host import NO_DRIVER, Holder, PciFunction, TokenSpec
-from charly_arbiter.model import VFIO
+from charly_arbiter.host import NO_DRIVER, Blocker, Holder, PciFunction, TokenSpec, common_blocker
+from charly_arbiter.model import VFIO, ProcessRef
+from charly_arbiter.procscan import process_alive, process_ref
 from charly_arbiter.watchdog import run_with_timeout
 
 log = logging.getLogger(__name__)
 
 BRIDGE_CLASS = "0604"
+# The simulated host's processes (the CLI, the hooks) are real processes.
+PROC_ROOT = Path("/proc")
 
 
 class SimHost:
@@ -205,6 +208,29 @@ class SimHost:
 
     def _spec(self, ref: str) -> dict[str, Any] | None:
         return next((s for s in self._holder_specs() if _ref(s) == ref), None)
+
+    def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
+        """`iommu = false` or `vfio_pci = false` in host.toml model a host that
+        cannot pass anything through; a device without `iommu_group` has none."""
+        description = self._description()
+        if not description.get("iommu", True):
+            return Blocker(
+                "the IOMMU is off (simulated: iommu = false)",
+                "enable VT-d or AMD-Vi in the firmware and boot with intel_iommu=on",
+            )
+        blocker = common_blocker(token)
+        if blocker is None and not description.get("vfio_pci", True):
+            blocker = Blocker(
+                "vfio-pci is neither loaded nor installed (simulated: vfio_pci = false)",
+                "install the kernel's vfio-pci module",
+            )
+        return blocker
+
+    def current_process(self) -> ProcessRef:
+        return process_ref(PROC_ROOT, os.getpid()) or ProcessRef(os.getpid())
+
+    def process_alive(self, process: ProcessRef) -> bool:
+        return process_alive(PROC_ROOT, process)
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         with self._state() as state:

@@ -134,6 +134,13 @@ class SimEnv:
         config = load_config(self.config_path, environ={})
         return Arbiter(config, self.host(), Ledger(config.state_dir, config.timeouts.lock_wait))
 
+    def stopped(self, *claimants: str) -> None:
+        """The claimants stop (a VM shuts down, a container exits), as before their
+        hooks release them: a claimant that still runs is not released without --force."""
+        host = self.host()
+        for claimant in claimants:
+            host.set_running(claimant, False)
+
     def set_host(self, text: str) -> None:
         (self.sim_dir / "host.toml").write_text(text)
 

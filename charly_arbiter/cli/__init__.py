@@ -26,6 +26,7 @@ COMMANDS = {
     "explain": "charly_arbiter.cli.explain:explain",
     "history": "charly_arbiter.cli.history:history",
     "metrics": "charly_arbiter.cli.metrics:metrics",
+    "recover": "charly_arbiter.cli.recover:recover_command",
 }
 
 

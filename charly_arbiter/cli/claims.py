@@ -14,14 +14,27 @@ from charly_arbiter.model import Mode
 @click.option("--exclusive", "mode", flag_value=Mode.EXCLUSIVE.value, help="Sole use (vfio-pci).")
 @click.option("--shared", "mode", flag_value=Mode.SHARED.value, help="Refcounted, home driver.")
 @click.option("--transient", is_flag=True, help="A short use, always stranded after a reboot.")
+@click.option(
+    "--wait",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Seconds to wait for a release under way (default: timeouts.claim_wait).",
+)
 @click.argument("claimant")
 @click.argument("tokens", nargs=-1, required=True)
 @click.pass_obj
-def acquire(app: App, mode: str | None, transient: bool, claimant: str, tokens: tuple[str]) -> None:
+def acquire(
+    app: App,
+    mode: str | None,
+    transient: bool,
+    wait: float | None,
+    claimant: str,
+    tokens: tuple[str],
+) -> None:
     """Claim TOKENS for CLAIMANT (KIND:NAME), stopping what must make room."""
     if mode is None:
         raise click.UsageError("say --exclusive or --shared")
-    plan = app.arbiter().acquire(claimant, Mode(mode), list(tokens), transient=transient)
+    plan = app.arbiter().acquire(claimant, Mode(mode), list(tokens), transient=transient, wait=wait)
     if plan.already_held:
         click.echo(f"{plan.claimant} already holds {', '.join(plan.tokens)} ({plan.mode})")
         return
@@ -34,12 +47,18 @@ def acquire(app: App, mode: str | None, transient: bool, claimant: str, tokens: 
 
 @click.command()
 @click.option("--failed", is_flag=True, help="The claimant failed to start.")
+@click.option(
+    "--force", is_flag=True, help="Release even though the claimant still runs (it loses the GPU)."
+)
 @click.argument("claimant")
 @click.pass_obj
-def release(app: App, failed: bool, claimant: str) -> None:
-    """Release CLAIMANT's lease; the last lease on a GPU sends it home."""
+def release(app: App, failed: bool, force: bool, claimant: str) -> None:
+    """Release CLAIMANT's lease; the last lease on a GPU sends it home.
+
+    Refused (exit 3) while the claimant still runs, unless --force.
+    """
     arbiter = app.arbiter()
-    if not arbiter.release_claimant(claimant, success=not failed):
+    if not arbiter.release_claimant(claimant, success=not failed, force=force):
         click.echo(f"{claimant} holds no lease")
         return
     _left_behind(arbiter, [claimant])
@@ -49,14 +68,18 @@ def release(app: App, failed: bool, claimant: str) -> None:
 @click.command()
 @click.option("--stranded", is_flag=True, help="Every stranded claimant (the default).")
 @click.option("--dry-run", is_flag=True, help="Only say which claimants would be restored.")
+@click.option("--force", is_flag=True, help="Restore named claimants even though they still run.")
 @click.argument("claimants", nargs=-1)
 @click.pass_obj
-def restore(app: App, stranded: bool, dry_run: bool, claimants: tuple[str]) -> None:
-    """Bring the host back: restore what leases stopped, send GPUs home, drop the leases."""
+def restore(app: App, stranded: bool, dry_run: bool, force: bool, claimants: tuple[str]) -> None:
+    """Bring the host back: restore what leases stopped, send GPUs home, drop the leases.
+
+    A named claimant that still runs is refused (exit 3) unless --force.
+    """
     if stranded and claimants:
         raise click.UsageError("give either --stranded or claimant names, not both")
     arbiter = app.arbiter()
-    done = arbiter.restore(list(claimants) or None, dry_run=dry_run)
+    done = arbiter.restore(list(claimants) or None, dry_run=dry_run, force=force)
     if not dry_run:
         _left_behind(arbiter, done)
     verb = "would restore" if dry_run else "restored"

@@ -36,7 +36,8 @@ from charly_arbiter.config import Config, HolderConfig
 from charly_arbiter.domainxml import DomainXMLError, mdev_parent, parse_domain, resolve_claim
 from charly_arbiter.errors import ArbiterError, HolderError, HostError, LedgerCorrupt
 from charly_arbiter.host import Holder, TokenSpec
-from charly_arbiter.liveness import pid_alive
+from charly_arbiter.model import ProcessRef
+from charly_arbiter.procscan import process_alive, process_ref
 
 log = logging.getLogger(__name__)
 
@@ -335,7 +336,8 @@ def marked(state_dir: Path, kind: str, ref: str) -> Iterator[None]:
     directory = state_dir / kind
     directory.mkdir(mode=0o700, exist_ok=True)
     marker = directory / _marker_name(ref)
-    marker.write_text(str(os.getpid()))
+    me = process_ref(DEFAULT_PROC, os.getpid()) or ProcessRef(os.getpid())
+    marker.write_text(f"{me.pid} {me.start}")
     try:
         yield
     finally:
@@ -343,11 +345,13 @@ def marked(state_dir: Path, kind: str, ref: str) -> Iterator[None]:
 
 
 def _marked_by_live_process(marker: Path) -> bool:
+    """Whether the process that wrote the marker still runs (not a reuse of its pid)."""
     try:
-        pid = int(marker.read_text().strip() or "0")
+        pid, _, start = marker.read_text().strip().partition(" ")
+        writer = ProcessRef(int(pid), int(start or "0"))
     except (OSError, ValueError):
         return False
-    return pid_alive(pid)
+    return process_alive(DEFAULT_PROC, writer)
 
 
 def _marker_name(ref: str) -> str:

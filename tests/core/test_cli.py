@@ -97,7 +97,33 @@ def test_status_of_a_fresh_host_has_every_token_idle(sim):
     ("text", "key", "why"),
     [
         ('host = "sim:{sim}"\nstate_dir = 5\n', "state_dir", "expected a string"),
-        ('host = "sim:{sim}"\n[timeouts]\nlock_wait = "x"\n', "timeouts.lock_wait", "positive"),
+        ('host = "sim:{sim}"\n[timeouts]\nlock_wait = "x"\n', "timeouts.lock_wait", "above 0"),
+        # Issue 9: nan waited forever (lock_wait) or raised after holders were stopped
+        # (driver_switch); infinities and absurd values are refused the same way.
+        ('host = "sim:{sim}"\n[timeouts]\nlock_wait = nan\n', "timeouts.lock_wait", "above 0"),
+        ('host = "sim:{sim}"\n[timeouts]\ndriver_switch = nan\n', "timeouts.driver_switch", "0"),
+        ('host = "sim:{sim}"\n[timeouts]\nholder_stop = inf\n', "timeouts.holder_stop", "0"),
+        ('host = "sim:{sim}"\n[timeouts]\nclaim_wait = 1e9\n', "timeouts.claim_wait", "most"),
+        # The state directory would put the ledger among the system's own files.
+        ('host = "sim:{sim}"\nstate_dir = "/"\n', "state_dir", "system directory"),
+        ('host = "sim:{sim}"\nstate_dir = "/etc"\n', "state_dir", "system directory"),
+        ('host = "sim:{sim}"\nstate_dir = "/var/lib"\n', "state_dir", "system directory"),
+        ('host = "sim:{sim}"\nstate_dir = "state"\n', "state_dir", "not an absolute path"),
+        ('host = "sim:{sim}"\nstate_dir = "/var/lib/x/../.."\n', "state_dir", "normalised"),
+        (
+            'host = "sim:{sim}"\n[tokens.gpu0]\naddress = "0000:0a:00.0"\n'
+            'home_driver = "../../x"\n',
+            "tokens.gpu0.home_driver",
+            "not a kernel driver name",
+        ),
+        (
+            'host = "sim:{sim}"\n[[holders]]\nkind = "systemd"\nname = "a.service"\n'
+            "tokens = [1, 2]\n",
+            "holders[0].tokens",
+            "list of token names",
+        ),
+        ('host = "sim:{sim}"\nhook_log = "hook.log"\n', "hook_log", "not an absolute path"),
+        ('host = "sim:{sim}"\nlibvirt_uri = "qemu:///x\\n"\n', "libvirt_uri", "control"),
         ('host = "sim:{sim}"\n[timeouts]\nlock_wai = 1\n', "timeouts.lock_wai", "not a known"),
         ('host = "sim:{sim}"\n[tokens.gpu0]\naddress = "0a:00.0"\n', "tokens.gpu0.address", "PCI"),
         ('host = "sim:{sim}"\n[tokens.gpu0]\n', "tokens.gpu0.address", "is missing"),
@@ -111,10 +137,31 @@ def test_status_of_a_fresh_host_has_every_token_idle(sim):
 def test_config_errors_name_the_file_and_the_key(sim, text, key, why):
     sim.config_path.write_text(text.format(sim=sim.sim_dir))
     result = sim.cli("status")
-    assert result.returncode == 1
+    assert result.returncode == 2  # like a usage error: the command line's file is wrong
     assert_short_error(result, str(sim.config_path), why)
     if key:
         assert f"{sim.config_path}: {key}: " in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("mode", "why"), [(0o666, "world-writable"), (0o620, "group- or world-writable")]
+)
+def test_a_configuration_others_can_change_is_refused(sim, mode, why):
+    sim.config_path.chmod(mode)
+    before = sim.host().snapshot()
+    result = sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0")
+    assert result.returncode == 2
+    assert_short_error(result, str(sim.config_path), why)
+    assert sim.host().snapshot() == before
+    assert not (sim.state_dir / "ledger.toml").exists()
+
+
+def test_a_configuration_that_is_not_a_file_is_refused(sim):
+    sim.config_path.unlink()
+    os.mkfifo(sim.config_path, 0o600)  # a FIFO would block a reader without O_NONBLOCK
+    result = sim.cli("status", timeout=20)
+    assert result.returncode == 2
+    assert_short_error(result, str(sim.config_path), "not a regular file")
 
 
 def test_environment_and_options_override_the_configuration(sim, tmp_path):
@@ -161,18 +208,18 @@ def test_ledger_files_that_are_symlinks_or_writable_are_refused(sim, tmp_path):
     sim.cli("acquire", "--shared", "container:x", "gpu0", check=True)
     ledger = sim.state_dir / "ledger.toml"
     ledger.chmod(0o666)
-    assert_short_error(sim.cli("release", "container:x"), str(ledger), "writable")
+    assert_short_error(sim.cli("release", "--force", "container:x"), str(ledger), "writable")
     ledger.chmod(0o600)
     target = tmp_path / "elsewhere.toml"
     ledger.rename(target)
     ledger.symlink_to(target)
-    assert_short_error(sim.cli("release", "container:x"), str(ledger), "symlink")
+    assert_short_error(sim.cli("release", "--force", "container:x"), str(ledger), "symlink")
     ledger.unlink()
     target.rename(ledger)
     lock = sim.state_dir / "ledger.lock"
     lock.unlink()
     lock.symlink_to(tmp_path / "lock-target")
-    assert_short_error(sim.cli("release", "container:x"), "ledger.lock")
+    assert_short_error(sim.cli("release", "--force", "container:x"), "ledger.lock")
     assert not (tmp_path / "lock-target").exists()
 
 

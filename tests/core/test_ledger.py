@@ -91,7 +91,7 @@ def test_a_stray_temp_file_is_removed_under_the_lock_not_trusted(tmp_path):
         txn.state = txn.state.with_lease(lease("container:a"))
     stray = ledger.state_dir / "ledger.toml.tmp"
     stray.write_bytes(b"half a ledger")
-    assert ledger.recover().leases == ledger.read().leases
+    assert ledger.tidy().leases == ledger.read().leases
     assert not stray.exists()
 
 

@@ -268,7 +268,9 @@ def test_every_state_pair_obeys_the_rules(existing, holders, drivers, mode):
     assert not any(item.mode is Mode.EXCLUSIVE for item in blocking)
     stopped = {step.holder for step in plan.stops}
     if mode is Mode.EXCLUSIVE:
-        # Every running holder and every shared claimant makes room...
+        # A running holder that may not be stopped refuses the claim...
+        assert not any(h.running and not h.preemptible for h in HOLDER_KINDS[holders])
+        # ...every other running holder and every shared claimant makes room...
         assert all(h.ref in stopped for h in HOLDER_KINDS[holders] if h.running)
         assert set(plan.preempted_leases) == {item.claimant for item in blocking}
         # ...and every function not yet on vfio-pci goes there.

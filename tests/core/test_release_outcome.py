@@ -17,6 +17,7 @@ def test_release_that_cannot_restart_a_holder_exits_1_and_keeps_the_lease(sim):
     assert sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0").returncode == 0
     sim.set_host(host_toml(llm="fail_start = true"))
 
+    sim.stopped("libvirt:win11")
     result = sim.cli("release", "libvirt:win11")
 
     assert result.returncode == 1, result.stderr
@@ -28,7 +29,7 @@ def test_release_that_cannot_restart_a_holder_exits_1_and_keeps_the_lease(sim):
     sim.set_host(host_toml())
     restored = sim.cli("restore", "libvirt:win11")
     assert restored.returncode == 0, restored.stderr
-    assert sim.cli("release", "container:llm").returncode == 0
+    assert sim.cli("release", "--force", "container:llm").returncode == 0
     assert_converged(sim)
 
 

@@ -70,6 +70,7 @@ def test_two_exclusive_leases_on_a_token_are_refused(sim):
 def test_shared_refcount_first_switches_home_later_only_count(sim):
     arbiter = sim.arbiter()
     arbiter.acquire("libvirt:a", EXCL, ["gpu0"])
+    sim.stopped("libvirt:a")
     arbiter.release_claimant("libvirt:a")
     # Put the GPU on vfio-pci with no lease, as a crashed tool would leave it.
     sim.host().switch(arbiter.tokens()["gpu0"], {"0000:0a:00.0": VFIO, "0000:0a:00.1": VFIO})
@@ -113,6 +114,7 @@ def test_release_returns_home_and_restores_in_reverse_order(sim):
     arbiter = sim.arbiter()
     arbiter.acquire("libvirt:win11", EXCL, ["gpu0"])
     log_start = len(sim.host().snapshot()["log"])
+    sim.stopped("libvirt:win11")
     assert arbiter.release_claimant("libvirt:win11")
     log = sim.host().snapshot()["log"][log_start:]
     starts = [line for line in log if line.startswith("start ")]
@@ -125,6 +127,7 @@ def test_release_returns_home_and_restores_in_reverse_order(sim):
 def test_release_failed_is_released_the_same_way(sim):
     result = sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0")
     assert result.returncode == 0, result.stderr
+    sim.stopped("libvirt:win11")
     result = sim.cli("release", "--failed", "libvirt:win11")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "released libvirt:win11\n"
@@ -135,11 +138,13 @@ def test_last_shared_release_restores_what_the_first_stopped(sim):
     arbiter = sim.arbiter()
     arbiter.acquire("container:a", SHARED, ["gpu0"])
     arbiter.acquire("container:b", SHARED, ["gpu0"])
+    sim.stopped("container:a")
     arbiter.release_claimant("container:a")  # hands what it stopped to container:b
     (lease,) = arbiter.ledger.read().leases
     assert lease.claimant == "container:b"
     assert {r.holder for r in lease.stopped} == {"container:llm", "systemd:ollama.service"}
     assert not running(sim, "container:llm")
+    sim.stopped("container:b")
     arbiter.release_claimant("container:b")
     assert_converged(sim)
 
@@ -150,12 +155,14 @@ def test_shared_release_hands_over_only_what_the_remaining_lease_holds(make_sim)
     arbiter.acquire("container:a", SHARED, ["gpu0", "gpu1"])
     arbiter.acquire("container:b", SHARED, ["gpu0"])
     assert not running(sim, "systemd:display-manager.service")
+    sim.stopped("container:a")
     arbiter.release_claimant("container:a")
     # gpu1 is free now: its holder is back; gpu0's holders wait for container:b.
     assert running(sim, "systemd:display-manager.service")
     assert not running(sim, "container:llm")
     (lease,) = arbiter.ledger.read().leases
     assert {r.holder for r in lease.stopped} == {"container:llm", "systemd:ollama.service"}
+    sim.stopped("container:b")
     arbiter.release_claimant("container:b")
     assert_converged(sim)
 
@@ -245,6 +252,7 @@ def test_restore_is_idempotent(sim):
 def test_restore_named_and_dry_run(sim):
     arbiter = sim.arbiter()
     arbiter.acquire("libvirt:win11", EXCL, ["gpu0"])
+    sim.stopped("libvirt:win11")
     before = ledger_bytes(sim.state_dir)
     result = sim.cli("restore", "--dry-run", "libvirt:win11")
     assert result.stdout == "would restore libvirt:win11\n"
@@ -319,6 +327,7 @@ def test_failed_holder_start_keeps_the_lease_for_restore(make_sim):
     sim = make_sim(host_toml(llm="fail_start = true"))
     arbiter = sim.arbiter()
     arbiter.acquire("libvirt:win11", EXCL, ["gpu0"])
+    sim.stopped("libvirt:win11")
     assert arbiter.release_claimant("libvirt:win11")
     (lease,) = arbiter.ledger.read().leases
     assert lease.state is LeaseState.RELEASING
@@ -345,6 +354,7 @@ def test_every_token_of_the_group_moves_together(make_sim):
     arbiter = sim.arbiter()
     arbiter.acquire("libvirt:win11", EXCL, ["gpu0", "gpu1"])
     assert set(sim.host().snapshot()["drivers"].values()) == {VFIO}
+    sim.stopped("libvirt:win11")
     arbiter.release_claimant("libvirt:win11")
     assert sim.host().snapshot()["drivers"] == HOME
 
@@ -371,6 +381,7 @@ def test_release_of_a_claim_another_live_process_is_carrying_out_is_refused(make
         else:
             pytest.fail("the claim never showed up as acquiring")
         before = ledger_bytes(sim.state_dir)
+        sim.stopped("libvirt:win11")
         result = sim.cli("release", "libvirt:win11")
         assert result.returncode == 1
         assert f"is acquiring by process {claim.pid}, which is still running" in result.stderr

@@ -13,6 +13,7 @@ def test_exclusive_claim_preempts_shared_holder_and_release_brings_it_back(sim):
     assert [lease["claimant"] for lease in status["leases"]] == ["libvirt:win11"]
     assert not sim.host().is_running("container:llm")
 
+    sim.stopped("libvirt:win11")
     assert sim.cli("release", "libvirt:win11").returncode == 0
     status = sim.status()
     assert status["tokens"]["gpu0"]["drivers"] == {

@@ -48,6 +48,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
+    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -56,16 +57,22 @@ from invariants import assert_converged, assert_invariants, sim_facts
 from charly_arbiter import crashpoints
 from charly_arbiter.arbiter import Arbiter
 from charly_arbiter.config import load_config
-from charly_arbiter.errors import ClaimRefused, HolderError, SwitchFailed, TokenPoisoned
+from charly_arbiter.errors import (
+    ClaimantRunning,
+    ClaimRefused,
+    HolderError,
+    SwitchFailed,
+    TokenPoisoned,
+)
 from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import VFIO, LeaseState, LedgerState, Mode, StepState
+from charly_arbiter.model import VFIO, LeaseState, LedgerState, Mode, ProcessRef, StepState
 from charly_arbiter.simhost import SimHost
 
 EXCLUSIVE, SHARED = Mode.EXCLUSIVE, Mode.SHARED
 ACQUIRING, ACTIVE, RELEASING = LeaseState.ACQUIRING, LeaseState.ACTIVE, LeaseState.RELEASING
 PLANNED, DONE = StepState.PLANNED, StepState.DONE
 
-CLAIMANTS = ("libvirt:a", "libvirt:b", "container:c", "container:d")
+CLAIMANTS = ("libvirt:a", "libvirt:b", "container:c")
 # A holder that claims too (a container that also shares a GPU through CDI).
 # It only ever claims shared: what an exclusive lease of a holder would
 # mean to a claim that stops it is not written down anywhere.
@@ -91,6 +98,7 @@ WORKFLOW_STEPS = (
     "release.restored",
 )
 LEDGER_STEPS = (
+    "ledger.unlocked",
     "ledger.open_temp",
     "ledger.write_half",
     "ledger.write_all",
@@ -115,6 +123,8 @@ address = "0000:0a:00.0"
 [tokens.gpu1]
 address = "0000:0b:00.0"
 """
+SWITCH_FAULTS = ("fail_switch", "hang_switch")
+HOLDER_FAULTS = ("fail_stop", "fail_start", "rigid")  # rigid: preemptible = false
 # How long a hanging switch blocks before the watchdog gives up.
 HANG_TIMEOUT = 0.05
 
@@ -151,10 +161,14 @@ class Faults:
 @dataclass(frozen=True)
 class Rec:
     """A holder a lease stopped (or is about to stop) and must bring back; `shared`
-    is the lease of a preempted shared claimant, given back with it."""
+    is the lease of a preempted shared claimant, given back with it; `tokens`
+    are those it used (where it must not come back beside an exclusive lease);
+    `starting` while the lease starts it again."""
 
     holder: str
+    tokens: tuple[str, ...]
     shared: tuple[str, ...] = ()
+    starting: bool = False
 
 
 @dataclass(frozen=True)
@@ -280,14 +294,14 @@ class Run:
         self.made.append((choice, options))
         return choice
 
-    def order(self, label: str, items: list[Any], local: Callable[[], object]) -> Iterator[Any]:
+    def order(self, label: str, items: list[Any]) -> Iterator[Any]:
         """The items one by one, in any order.  Their effects are independent of
         each other, so two orders that have done the same items reach the same
-        state: only the first way to get there goes on (`local` is whatever
-        else the rest of the operation depends on)."""
+        state: only the first way to get there goes on."""
         left = list(items)
         while left:
-            key = (label, self.context, self.world, frozenset(left), local(), *self.marks.items())
+            marks = tuple(sorted(self.marks.items()))
+            key = (label, self.context, self.world, frozenset(left), marks)
             prefix = [choice for choice, _ in self.made]
             if self.seen.setdefault(key, prefix) != prefix:
                 raise Pruned
@@ -354,6 +368,7 @@ class Plan:
     stops: tuple[Rec, ...]
     preempted: tuple[str, ...]
     inherited: tuple[Rec, ...]
+    taken: tuple[tuple[str, str], ...]  # (releasing lease, holder) records taken over
     switches: tuple[str, ...]
 
 
@@ -369,6 +384,8 @@ def decide(
             return ("refused", frozenset({"earlier-boot"}))
         if own.state is ACTIVE and own.mode is mode and set(own.tokens) == set(tokens):
             return ("held",)
+        if own.state is RELEASING:
+            return ("refused", frozenset({"own-releasing"}))
         return ("refused", frozenset({"own-lease"}))
     for token in tokens:
         reasons = set()
@@ -390,26 +407,47 @@ def decide(
     ]
     if mode is EXCLUSIVE:
         # It takes over the leases of the shared claimants it stops: those that
-        # share one of its tokens, and a holder of one that shares another.
+        # share one of its tokens, and a holder of one that shares another (an
+        # active lease; one still in progress is rolled back or ended by itself).
         preempted = [
             lease
             for lease in world.leases
             if lease.mode is SHARED
-            and (any(lease.holds(token) for token in tokens) or lease.claimant in running)
+            and (
+                any(lease.holds(token) for token in tokens)
+                or (lease.claimant in running and not world.stranded(lease))
+            )
         ]
         names = {lease.claimant for lease in preempted}
+        # A releasing lease that has not started a holder of these tokens again
+        # yet hands it over: it stays stopped, this lease brings it back.  One
+        # being started right now is waited for (refused here: no retries).
+        taken = []
+        for lease in world.leases:
+            if lease.state is not RELEASING or lease.claimant in names:
+                continue
+            for record in lease.records:
+                if record.holder == claimant or not set(record.tokens) & set(tokens):
+                    continue
+                if record.starting:
+                    return ("refused", frozenset({"starting"}))
+                taken.append((lease.claimant, record))
         stops = []
         for ref in running:
             # host.toml: `preemptible = false`, "claims are refused"
             if ref in faults.rigid:
                 return ("refused", frozenset({"not-preemptible"}))
             if ref not in names:
-                stops.append(Rec(ref))
-        stops += [Rec(lease.claimant, lease.tokens) for lease in preempted]
+                stops.append(Rec(ref, (HOLDERS[ref],)))
+        stops += [Rec(lease.claimant, lease.tokens, lease.tokens) for lease in preempted]
         return Plan(
             stops=tuple(stops),
             preempted=tuple(sorted(names)),
-            inherited=tuple(record for lease in preempted for record in lease.records),
+            inherited=(
+                *(record for lease in preempted for record in lease.records),
+                *(record for _, record in taken),
+            ),
+            taken=tuple((name, record.holder) for name, record in taken),
             switches=tuple(token for token in tokens if token not in world.vfio),
         )
     # A shared claim: the first on a token brings it home and makes room; a
@@ -418,17 +456,18 @@ def decide(
     claimants = {lease.claimant for lease in world.leases}
     return Plan(
         stops=tuple(
-            Rec(ref)
+            Rec(ref, (HOLDERS[ref],))
             for ref in running
             if HOLDERS[ref] in first and ref not in faults.rigid and ref not in claimants
         ),
         preempted=(),
         inherited=(),
+        taken=(),
         switches=tuple(token for token in first if token in world.vfio),
     )
 
 
-def acquire(run: Run, claimant: str, mode: Mode, tokens: tuple[str, ...]) -> Outcome:
+def model_acquire(run: Run, claimant: str, mode: Mode, tokens: tuple[str, ...]) -> Outcome:
     plan = decide(run.world, run.faults, claimant, mode, tokens)
     if not isinstance(plan, Plan):
         return plan
@@ -439,7 +478,11 @@ def acquire(run: Run, claimant: str, mode: Mode, tokens: tuple[str, ...]) -> Out
     for name in plan.preempted:
         world = world.drop(name)
     for other in world.leases:
-        taken = [record.holder for record in other.records if record.holder in planned]
+        taken = [
+            record.holder
+            for record in other.records
+            if record.holder in planned or (other.claimant, record.holder) in plan.taken
+        ]
         for holder in taken:
             other = other.without_record(holder)
         if taken:
@@ -457,7 +500,7 @@ def acquire(run: Run, claimant: str, mode: Mode, tokens: tuple[str, ...]) -> Out
     run.set(world.put(lease))
     run.mark("acquire.intent")
     failed = None
-    for stop in run.order(f"stop {claimant}", list(plan.stops), lambda: None):
+    for stop in run.order(f"stop {claimant}", list(plan.stops)):
         run.mark("acquire.stop")
         if run.world.running(stop.holder):
             if stop.holder in run.faults.fail_stop:
@@ -465,7 +508,7 @@ def acquire(run: Run, claimant: str, mode: Mode, tokens: tuple[str, ...]) -> Out
                 break
             run.set(run.world.with_running(stop.holder, False))
     if failed is None:
-        for token in run.order(f"switch {claimant}", list(plan.switches), lambda: None):
+        for token in run.order(f"switch {claimant}", list(plan.switches)):
             run.mark("acquire.switch")
             if run.faults.switch_fails(token):
                 run.set(run.world.with_poison(token, True))
@@ -475,7 +518,7 @@ def acquire(run: Run, claimant: str, mode: Mode, tokens: tuple[str, ...]) -> Out
             run.put(current(run, claimant).with_step(token, DONE))
     if failed is not None:
         run.context = failed
-        finish(run, claimant)
+        model_finish(run, claimant)
         return ("failed", failed)
     run.put(replace(current(run, claimant), state=ACTIVE))
     run.mark("acquire.active")
@@ -489,12 +532,10 @@ def current(run: Run, claimant: str) -> MLease:
 
 
 def uses(record: Rec) -> set[str]:
-    if record.shared:
-        return set(record.shared)
-    return {HOLDERS[record.holder]} if record.holder in HOLDERS else set()
+    return set(record.tokens or record.shared)
 
 
-def finish(run: Run, claimant: str) -> bool:
+def model_finish(run: Run, claimant: str) -> bool:
     """Release, restore and roll back alike: hand over, send home, bring back."""
     world = run.world
     lease = world.lease(claimant)
@@ -512,8 +553,14 @@ def finish(run: Run, claimant: str) -> bool:
         held = {t for t in lease.tokens if any(other.holds(t) for other in others)}
         kept = []
         for record in lease.records:
-            wanted = (uses(record) or set(lease.tokens)) & held
-            takers = [h for h in heirs if wanted & set(current_of(world, h).tokens)]
+            # Never to the holder's own lease: it runs again by itself (it claimed),
+            # and its release must not start it again.
+            wanted = set(record.tokens or lease.tokens) & held
+            takers = [
+                heir
+                for heir in heirs
+                if heir != record.holder and wanted & set(current_of(world, heir).tokens)
+            ]
             if not takers:
                 kept.append(record)
             else:
@@ -533,23 +580,23 @@ def finish(run: Run, claimant: str) -> bool:
     lease = replace(lease, state=RELEASING, steps=tuple(sorted(steps)))
     run.set(world.put(lease))
     run.mark("release.intent")
-    complete = True
     home = [t for t, step in steps if step is PLANNED]
-    for token in run.order(f"home {claimant}", home, lambda: complete):
+    for token in run.order(f"home {claimant}", home):
         if token not in run.world.poisoned and token in run.world.vfio:
             run.mark("release.switch")
             if run.faults.switch_fails(token):
                 run.set(run.world.with_poison(token, True))
-                complete = False
                 continue
             run.set(run.world.with_driver(token, False))
         run.put(current(run, claimant).with_step(token, DONE))
     records = list(current(run, claimant).records)
-    for record in run.order(f"back {claimant}", records, lambda: complete):
-        run.mark("release.start")
-        complete &= bring_back(run, claimant, record)
+    for record in run.order(f"back {claimant}", records):
+        model_bring_back(run, claimant, record)
     run.mark("release.restored")
-    if complete:
+    # Done when every token went home and every holder came back (or was handed
+    # on); otherwise the lease stays for `restore`.
+    lease = current(run, claimant)
+    if not lease.records and all(step is DONE for _, step in lease.steps):
         run.set(run.world.drop(claimant))
     return True
 
@@ -560,7 +607,7 @@ def current_of(world: World, claimant: str) -> MLease:
     return lease
 
 
-def bring_back(run: Run, claimant: str, record: Rec) -> bool:
+def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
     world = run.world
     others = [lease for lease in world.leases if lease.claimant != claimant]
     # Its token is held exclusively now (I1: a shared claimant may not come back
@@ -569,35 +616,62 @@ def bring_back(run: Run, claimant: str, record: Rec) -> bool:
     exclusive = [
         other.claimant
         for other in others
-        if other.mode is EXCLUSIVE and any(other.holds(token) for token in uses(record))
+        if other.claimant != record.holder
+        and other.mode is EXCLUSIVE
+        and any(other.holds(token) for token in uses(record))
     ]
     if exclusive:
         heir = current_of(world, run.pick(exclusive))
         if all(r.holder != record.holder for r in heir.records):
-            world = world.put(heir.with_record(record))
+            world = world.put(heir.with_record(replace(record, starting=False)))
         run.set(world.put(current_of(world, claimant).without_record(record.holder)))
-        return True
+        return
     if any(r.holder == record.holder for other in others for r in other.records):
+        # Another lease stopped it too; that one brings it back.
         run.put(current(run, claimant).without_record(record.holder))
-        return True
-    if not world.running(record.holder):
+        return
+    run.put(current(run, claimant).with_record(replace(record, starting=True)))
+    run.mark("release.start")
+    if not run.world.running(record.holder):
         if record.holder in run.faults.fail_start:
-            return False
-        run.set(world.with_running(record.holder, True))
-    if record.shared and run.world.lease(record.holder) is None:
-        run.put(MLease(record.holder, SHARED, record.shared, ACTIVE, run.world.boot))
-    run.put(current(run, claimant).without_record(record.holder))
-    return True
+            run.put(current(run, claimant).with_record(replace(record, starting=False)))
+            return
+        run.set(run.world.with_running(record.holder, True))
+    world = run.world.put(current(run, claimant).without_record(record.holder))
+    if record.shared and world.lease(record.holder) is None:
+        world = world.put(MLease(record.holder, SHARED, record.shared, ACTIVE, world.boot))
+    run.set(world)
 
 
-def release(run: Run, claimant: str) -> Outcome:
-    return ("released", finish(run, claimant))
+def runs_with_active_lease(world: World, claimant: str) -> bool:
+    """Releasing its lease would take the GPU from under it."""
+    lease = world.lease(claimant)
+    return (
+        lease is not None
+        and lease.state is ACTIVE
+        and lease.boot == world.boot
+        and world.running(claimant)
+    )
 
 
-def restore(run: Run) -> Outcome:
-    targets = tuple(sorted(x.claimant for x in run.world.leases if run.world.stranded(x)))
+def model_release(run: Run, claimant: str, force: bool) -> Outcome:
+    if run.world.lease(claimant) is None:
+        return ("released", False)
+    if not force and runs_with_active_lease(run.world, claimant):
+        return ("refused", frozenset({"claimant-runs"}))
+    return ("released", model_finish(run, claimant))
+
+
+def model_restore(run: Run, named: tuple[str, ...] | None = None, force: bool = False) -> Outcome:
+    world = run.world
+    if named is None:
+        targets = tuple(sorted(x.claimant for x in world.leases if world.stranded(x)))
+    else:
+        targets = tuple(c for c in named if world.lease(c) is not None)
+        if not force and any(runs_with_active_lease(world, c) for c in targets):
+            return ("refused", frozenset({"claimant-runs"}))
     for claimant in targets:
-        finish(run, claimant)
+        model_finish(run, claimant)
     return ("restored", targets)
 
 
@@ -646,7 +720,10 @@ def observe_real(state: LedgerState, snapshot: dict[str, Any]) -> Obs:
             for token in lease.tokens
             if not (lease.state is RELEASING and lease.switch_state(token) is DONE)
         )
-        records = frozenset(Rec(r.holder, r.shared_tokens) for r in lease.stopped if not r.restored)
+        records = frozenset(
+            Rec(r.holder, r.tokens, r.shared_tokens, r.state is StepState.STARTING)
+            for r in lease.unrestored()
+        )
         old = lease.boot_id != snapshot["boot_id"]
         leases.add((lease.claimant, lease.mode, lease.tokens, lease.state, old, held, records))
     running = snapshot["running"]
@@ -663,6 +740,8 @@ def refusal_reason(error: ClaimRefused) -> str:
         return "poisoned"
     for words, reason in (
         ("earlier boot", "earlier-boot"),
+        ("previous lease is still being released", "own-releasing"),
+        ("is being started again by the release of", "starting"),
         ("already holds", "own-lease"),
         ("stranded", "stranded"),
         ("held exclusively", "exclusive"),
@@ -692,8 +771,17 @@ def _dead_pid() -> int:
 
 token_sets = st.sampled_from([("gpu0",), ("gpu1",), ("gpu0", "gpu1")])
 claimants = st.sampled_from(EVERY_CLAIMANT)
-holders = st.sampled_from(tuple(HOLDERS))
-crash_steps = st.sampled_from(WORKFLOW_STEPS + LEDGER_STEPS)
+# Crashes in the workflows' own steps are predicted exactly, those inside a
+# ledger write only up to "before or after some write": the former come first.
+# A claim that fails is rolled back through the release steps.
+ACQUIRE_CRASHES = WORKFLOW_STEPS * 2 + LEDGER_STEPS
+RELEASE_CRASHES = tuple(s for s in WORKFLOW_STEPS if s.startswith("release.")) * 3 + LEDGER_STEPS
+# A number picks the n-th lease of the model (see `whose`).
+leaseholders = st.integers(0, 3) | claimants
+FAULT_CHANGES = (
+    *(("switch", address, fault) for address in ADDRESSES for fault in (None, *SWITCH_FAULTS)),
+    *((kind, ref, on) for kind in HOLDER_FAULTS for ref in HOLDERS for on in (False, True)),
+)
 
 
 class ArbiterMachine(RuleBasedStateMachine):
@@ -717,22 +805,21 @@ class ArbiterMachine(RuleBasedStateMachine):
         self.ledger = Ledger(self.config.state_dir, self.config.timeouts.lock_wait)
         # Every operation "runs in a process" that is gone by the time anyone
         # looks: an in-progress lease left by a crash is then stranded.
-        self.owner = _dead_pid()
+        self.owner = ProcessRef(_dead_pid())
         # The model: every state the real system may be in, as far as anything
         # seen so far tells (one, unless a crash or an open order left a choice).
         self.worlds: set[World] = {World()}
         # Claimants (and a holder that claims) that stopped or died by themselves:
         # for I3, everything else runs unless the arbiter stopped it.
         self.gone: set[str] = set()
+        self.steps_since_gone = 0
 
     def teardown(self) -> None:
         crashpoints.hook = None
         shutil.rmtree(self.root, ignore_errors=True)
 
     def arbiter(self) -> Arbiter:
-        arbiter = Arbiter(self.config, self.host, self.ledger)
-        arbiter.pid = self.owner
-        return arbiter
+        return Arbiter(self.config, self.host, self.ledger, owner=self.owner)
 
     def _write_host(self) -> None:
         (self.sim_dir / "host.toml").write_text(self.faults.host_toml())
@@ -795,7 +882,8 @@ class ArbiterMachine(RuleBasedStateMachine):
 
     def real_acquire(self, claimant: str, mode: Mode, tokens: tuple[str, ...]) -> Outcome:
         try:
-            plan = self.arbiter().acquire(claimant, mode, list(tokens))
+            # No waiting for a refusal to lift: nothing else runs meanwhile.
+            plan = self.arbiter().acquire(claimant, mode, list(tokens), wait=0)
         except ClaimRefused as error:
             return ("refused", refusal_reason(error))
         except SwitchFailed:
@@ -807,11 +895,18 @@ class ArbiterMachine(RuleBasedStateMachine):
         stopped = frozenset(stop.holder for stop in plan.stops)
         return ("granted", stopped, frozenset(plan.preempted_leases))
 
-    def real_release(self, claimant: str, failed: bool) -> Outcome:
-        return ("released", self.arbiter().release_claimant(claimant, success=not failed))
+    def real_release(self, claimant: str, failed: bool, force: bool) -> Outcome:
+        try:
+            released = self.arbiter().release_claimant(claimant, success=not failed, force=force)
+        except ClaimantRunning:
+            return ("refused", "claimant-runs")
+        return ("released", released)
 
-    def real_restore(self) -> Outcome:
-        return ("restored", tuple(self.arbiter().restore()))
+    def real_restore(self, named: tuple[str, ...] | None = None, force: bool = False) -> Outcome:
+        try:
+            return ("restored", tuple(self.arbiter().restore(named, force=force)))
+        except ClaimantRunning:
+            return ("refused", "claimant-runs")
 
     def claimant_starts(self, claimant: str) -> None:
         # A claimant that claims is starting (a VM in its prepare hook).
@@ -826,54 +921,82 @@ class ArbiterMachine(RuleBasedStateMachine):
         self.step(
             f"acquire {mode} {claimant} {tokens}",
             lambda: self.real_acquire(claimant, mode, tokens),
-            lambda run: acquire(run, claimant, mode, tokens),
+            lambda run: model_acquire(run, claimant, mode, tokens),
         )
 
-    @rule(claimant=claimants, failed=st.booleans(), stopped_first=st.booleans())
-    def release(self, claimant: str, failed: bool, stopped_first: bool) -> None:
+    def whose(self, which: int | str) -> str:
+        """A claimant by name, or (a number) the claimant of the model's n-th lease:
+        a release or crash meets a lease more often that way."""
+        if isinstance(which, str):
+            return which
+        leases = self.view().leases
+        return leases[which % len(leases)].claimant if leases else EVERY_CLAIMANT[which]
+
+    @rule(
+        which=leaseholders, failed=st.booleans(), stopped_first=st.booleans(), force=st.booleans()
+    )
+    def release(self, which: int | str, failed: bool, stopped_first: bool, force: bool) -> None:
+        claimant = self.whose(which)
         if stopped_first:
             self.claimant_dies(claimant)  # a VM shut down, then its release hook runs
         self.step(
-            f"release {claimant}",
-            lambda: self.real_release(claimant, failed),
-            lambda run: release(run, claimant),
+            f"release {claimant}{' --force' if force else ''}",
+            lambda: self.real_release(claimant, failed, force),
+            lambda run: model_release(run, claimant, force),
         )
 
-    @rule()
-    def restore_stranded(self) -> None:
-        self.step("restore --stranded", self.real_restore, restore)
+    @rule(named=st.none() | claimants, force=st.booleans())
+    def restore(self, named: str | None, force: bool) -> None:
+        """`restore --stranded`, or `restore CLAIMANT [--force]`."""
+        if named is None:
+            self.step("restore --stranded", self.real_restore, model_restore)
+            return
+        self.step(
+            f"restore {named}{' --force' if force else ''}",
+            lambda: self.real_restore((named,), force),
+            lambda run: model_restore(run, (named,), force),
+        )
 
     @rule(
-        op=st.sampled_from(["acquire", "release", "restore"]),
         claimant=claimants,
         mode=st.sampled_from(Mode),
         tokens=token_sets,
-        step=crash_steps,
+        step=st.sampled_from(ACQUIRE_CRASHES),
         nth=st.integers(1, 3),
     )
-    def crash(
-        self, op: str, claimant: str, mode: Mode, tokens: tuple[str, ...], step: str, nth: int
+    def crash_in_claim(
+        self, claimant: str, mode: Mode, tokens: tuple[str, ...], step: str, nth: int
     ) -> None:
-        label = f"{op} crashing at {step}#{nth}"
         mode = SHARED if claimant == SHARER else mode
-        if op == "acquire":
-            self.claimant_starts(claimant)
-            self.step(
-                f"{label}: {mode} {claimant} {tokens}",
-                lambda: self.real_acquire(claimant, mode, tokens),
-                lambda run: acquire(run, claimant, mode, tokens),
-                (step, nth),
-            )
-        elif op == "release":
-            self.step(
-                f"{label}: {claimant}",
-                lambda: self.real_release(claimant, False),
-                lambda run: release(run, claimant),
-                (step, nth),
-            )
-        else:
-            self.step(label, self.real_restore, restore, (step, nth))
+        self.claimant_starts(claimant)
+        self.step(
+            f"acquire {mode} {claimant} {tokens}, crashing at {step}#{nth}",
+            lambda: self.real_acquire(claimant, mode, tokens),
+            lambda run: model_acquire(run, claimant, mode, tokens),
+            (step, nth),
+        )
 
+    @rule(which=leaseholders, step=st.sampled_from(RELEASE_CRASHES), nth=st.integers(1, 3))
+    def crash_in_release(self, which: int | str, step: str, nth: int) -> None:
+        claimant = self.whose(which)
+        self.step(
+            f"release {claimant} --force, crashing at {step}#{nth}",
+            lambda: self.real_release(claimant, False, True),
+            lambda run: model_release(run, claimant, True),
+            (step, nth),
+        )
+
+    @precondition(lambda self: any(self.view().stranded(x) for x in self.view().leases))
+    @rule(step=st.sampled_from(RELEASE_CRASHES), nth=st.integers(1, 3))
+    def crash_in_restore(self, step: str, nth: int) -> None:
+        self.step(
+            f"restore --stranded, crashing at {step}#{nth}",
+            self.real_restore,
+            model_restore,
+            (step, nth),
+        )
+
+    @precondition(lambda self: bool(self.view().poisoned))
     @rule(token=st.sampled_from(tuple(TOKEN_FUNCTIONS)))
     def poison_clear(self, token: str) -> None:
         # What the hint asks for: check the GPU and its driver by hand, then clear.
@@ -919,39 +1042,29 @@ class ArbiterMachine(RuleBasedStateMachine):
         )
         self.check("reboot")
 
-    @rule(
-        address=st.sampled_from(ADDRESSES),
-        fault=st.sampled_from([None, None, "fail_switch", "hang_switch"]),
-    )
-    def switch_fault(self, address: str, fault: str | None) -> None:
-        switch = tuple(item for item in self.faults.switch if item[0] != address)
-        if fault is not None:
-            switch = (*switch, (address, fault))
-        self.faults = replace(self.faults, switch=tuple(sorted(switch)))
-        self._write_host()
-
-    @rule(holder=holders, fail_stop=st.booleans(), fail_start=st.booleans())
-    def holder_fault(self, holder: str, fail_stop: bool, fail_start: bool) -> None:
-        def toggled(items: frozenset[str], on: bool) -> frozenset[str]:
-            return items | {holder} if on else items - {holder}
-
-        self.faults = replace(
-            self.faults,
-            fail_stop=toggled(self.faults.fail_stop, fail_stop),
-            fail_start=toggled(self.faults.fail_start, fail_start),
-        )
-        self._write_host()
-
-    @rule(holder=holders, preemptible=st.booleans())
-    def preemptible(self, holder: str, preemptible: bool) -> None:
-        rigid = self.faults.rigid - {holder} if preemptible else self.faults.rigid | {holder}
-        self.faults = replace(self.faults, rigid=rigid)
+    @rule(change=st.sampled_from(FAULT_CHANGES))
+    def fault(self, change: tuple[str, str, object]) -> None:
+        """Switch one fault of host.toml on or off; the simulated host reads it anew."""
+        kind, target, value = change
+        faults = self.faults
+        if kind == "switch":
+            switch = [item for item in faults.switch if item[0] != target]
+            if value is not None:
+                switch.append((target, str(value)))
+            faults = replace(faults, switch=tuple(sorted(switch)))
+        else:
+            items = getattr(faults, kind)
+            faults = replace(faults, **{kind: items | {target} if value else items - {target}})
+        self.faults = faults
         self._write_host()
 
     # -- I5 ----------------------------------------------------------------------------------
 
+    # Not too often: it ends everything, and the interesting states take steps.
+    @precondition(lambda self: self.steps_since_gone >= 8 and bool(self.view().leases))
     @rule()
     def everyone_gone_then_restore_twice(self) -> None:
+        self.steps_since_gone = 0
         # Holders can be started again (the operator fixed them); a GPU whose
         # switch fails ends poisoned, which I5 allows.
         self.faults = replace(self.faults, fail_stop=frozenset(), fail_start=frozenset())
@@ -962,13 +1075,13 @@ class ArbiterMachine(RuleBasedStateMachine):
         for _ in range(2 * len(EVERY_CLAIMANT) + 2):
             for claimant in EVERY_CLAIMANT:
                 self.claimant_dies(claimant)
-            self.step("restore --stranded, everyone gone", self.real_restore, restore)
+            self.step("restore --stranded, everyone gone", self.real_restore, model_restore)
             if not self.view().leases:
                 break
         state = self.ledger.read()
         assert_converged(state, self.facts(), HOME, HOLDER_REFS)
         before = (ledger_bytes(self.ledger.state_dir), self.host.snapshot())
-        assert self.step("restore again", self.real_restore, restore) == ("restored", ())
+        assert self.step("restore again", self.real_restore, model_restore) == ("restored", ())
         after = (ledger_bytes(self.ledger.state_dir), self.host.snapshot())
         assert after == before
 
@@ -989,6 +1102,7 @@ class ArbiterMachine(RuleBasedStateMachine):
 
     @invariant()
     def i1_to_i3(self) -> None:
+        self.steps_since_gone += 1
         assert_invariants(self.ledger.read(), self.facts())
 
 

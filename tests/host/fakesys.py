@@ -3,15 +3,35 @@
 Modelled on libvirt's `tests/virpcimock.c`: the tree has the real layout
 (`bus/pci/devices/ADDR` symlinks into `devices/`, `driver` and `iommu_group`
 links, `bus/pci/drivers/NAME`, `kernel/iommu_groups/N/devices`), and the
-writer the code under test is given interprets writes to `driver_override`,
-`driver/unbind` and `drivers_probe` the way the kernel does: unbind removes the
-driver link, probe binds the override (or the device's native driver) when
-that driver is loaded, and vfio-pci creates `/dev/vfio/N`.  Per-driver flags
-make a probe fail silently (as `drivers_probe` does) or an unbind hang.
+writer the code under test is given does what open(2) and the kernel's store
+functions do (drivers/base/bus.c, drivers/pci/pci-driver.c, Linux 6.x), errors
+included, so that code relying on a lenient fake fails here as it would on a
+real host:
+
+- the file must exist (no O_CREAT: ENOENT, e.g. `driver/unbind` of an unbound
+  device) and be writable: every attribute but `driver_override`, the
+  drivers' `bind`/`unbind`/`new_id` and the bus's `drivers_probe` is
+  read-only, and sysfs refuses to open those for writing, even for root
+  (EACCES; checked against the real /sys in test_fakesys.py);
+- `unbind` through a driver the device is not bound to, or of an unknown
+  device: ENODEV;
+- `drivers_probe` of an unknown device: ENODEV; of a bound one: nothing; a
+  probe that finds no driver, or whose driver refuses, succeeds silently;
+- `bind` of an unknown device or one the driver does not match: ENODEV; of a
+  bound device: EBUSY; a refused probe: ENODEV;
+- `new_id` that is not at least two hex numbers: EINVAL; an id the driver
+  already has: EEXIST; otherwise the driver takes every unbound device it
+  now matches;
+- a driver matches a device with `driver_override` set only when it is that
+  driver (vfio-pci matches nothing without it, as since Linux 5.16).
+
+Per-driver flags make a probe fail (silently, as `drivers_probe` does) or an
+unbind hang; unloading a driver unbinds its devices first.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from dataclasses import dataclass, field
@@ -44,6 +64,7 @@ class FakeKernel:
         self.dev = self.root / "dev"
         self.proc = self.root / "proc"
         self.devices: dict[str, FakeDevice] = {}
+        self.dynamic_ids: dict[str, set[tuple[str, str]]] = {}  # driver -> ids from new_id
         for path in (self.sys / "bus/pci/devices", self.sys / "bus/pci/drivers", self.dev):
             path.mkdir(parents=True, exist_ok=True)
         (self.sys / "bus/pci/drivers_probe").write_text("")
@@ -64,7 +85,12 @@ class FakeKernel:
             (self.dev / "vfio" / "vfio").touch()
 
     def unload(self, driver: str) -> None:
+        """Like rmmod: the driver lets go of its devices, then its directory goes."""
+        for address in self.devices:
+            if self.driver_of(address) == driver:
+                self._unbind(address)
         self.loaded.discard(driver)
+        self.dynamic_ids.pop(driver, None)
         directory = self.sys / "bus/pci/drivers" / driver
         for entry in directory.iterdir():
             entry.unlink()
@@ -104,34 +130,96 @@ class FakeKernel:
     # -- the kernel's side of the writes ---------------------------------------------
 
     def write(self, path: Path, text: str) -> None:
-        """The writer handed to `Sysfs`: acts like the sysfs store functions."""
+        """The writer handed to `Sysfs`: open(2) without O_CREAT, then the store function."""
         relative = path.relative_to(self.sys)
         self.writes.append((str(relative), text))
-        if path.name == "driver_override":
-            value = text.strip()
-            path.write_text((value or "(null)") + "\n")
-        elif path.name == "unbind":
-            address = text.strip()
-            current = self.driver_of(address)
-            if current is None:
-                raise OSError(19, "No such device")
-            if current in self.hang_unbind:
-                self.release.wait()  # blocks like nvidia's remove with a user left
-            self._unbind(address)
-        elif path.name == "drivers_probe":
-            self._probe(text.strip())
+        if path.is_dir():
+            raise _error(errno.EISDIR, path)
+        if not path.exists():
+            raise _error(errno.ENOENT, path)
+        owner = path.parent.resolve()
+        attribute = path.name
+        if owner.parent == self._real_devices() and attribute == "driver_override":
+            self._store_override(path, text)
+        elif owner.parent == self._drivers() and attribute == "unbind":
+            self._store_unbind(owner.name, _device_name(text))
+        elif owner.parent == self._drivers() and attribute == "bind":
+            self._store_bind(owner.name, _device_name(text))
+        elif owner.parent == self._drivers() and attribute == "new_id":
+            self._store_new_id(owner.name, text)
+        elif owner == self._bus() and attribute == "drivers_probe":
+            self._store_probe(_device_name(text))
         else:
-            path.write_text(text)
+            raise _error(errno.EACCES, path)  # a read-only attribute (mode 0444)
 
-    def _probe(self, address: str) -> None:
+    def _store_override(self, path: Path, text: str) -> None:
+        if len(text) >= 4095:  # PAGE_SIZE - 1
+            raise _error(errno.EINVAL, path)
+        value = text.split("\n", 1)[0]  # up to the first newline; empty clears it
+        path.write_text((value or "(null)") + "\n")
+
+    def _store_unbind(self, driver: str, address: str) -> None:
+        if address not in self.devices or self.driver_of(address) != driver:
+            raise _error(errno.ENODEV)
+        if driver in self.hang_unbind:
+            self.release.wait()  # blocks like nvidia's remove with a user left
+        self._unbind(address)
+
+    def _store_bind(self, driver: str, address: str) -> None:
+        if address not in self.devices or not self._matches(driver, address):
+            raise _error(errno.ENODEV)
+        if self.driver_of(address) is not None:
+            raise _error(errno.EBUSY)
+        if driver in self.refuse_probe:
+            raise _error(errno.ENODEV)
+        self._bind(address, driver)
+
+    def _store_new_id(self, driver: str, text: str) -> None:
+        fields = text.split()
+        try:
+            vendor, device = (f"{int(field, 16):04x}" for field in fields[:2])
+            for field in fields[2:]:
+                int(field, 16)
+        except ValueError:  # fewer than two numbers, or one that is not hex
+            raise _error(errno.EINVAL) from None
+        known = self.dynamic_ids.setdefault(driver, set())
+        natives = {(d.vendor, d.device) for d in self.devices.values() if d.native == driver}
+        if (vendor, device) in known | natives:
+            raise _error(errno.EEXIST)
+        known.add((vendor, device))
+        for address in self.devices:
+            unbound = self.driver_of(address) is None
+            if unbound and self._matches(driver, address) and driver not in self.refuse_probe:
+                self._bind(address, driver)
+
+    def _store_probe(self, address: str) -> None:
+        if address not in self.devices:
+            raise _error(errno.ENODEV)
         if self.driver_of(address) is not None:
             return
+        for driver in sorted(self.loaded):
+            if self._matches(driver, address) and driver not in self.refuse_probe:
+                self._bind(address, driver)
+                return
+        # like the kernel: drivers_probe succeeds whether a driver took the device or not
+
+    def _matches(self, driver: str, address: str) -> bool:
+        """pci_match_device: the override decides alone; else the id table, then new_id's."""
         device = self.devices[address]
         override = (self.device_dir(address) / "driver_override").read_text().strip()
-        wanted = device.native if override in ("", "(null)") else override
-        if wanted is None or wanted not in self.loaded or wanted in self.refuse_probe:
-            return  # like the kernel: drivers_probe succeeds, nothing binds
-        self._bind(address, wanted)
+        if override not in ("", "(null)"):
+            return override == driver
+        ids = self.dynamic_ids.get(driver, set())
+        return driver == device.native or (device.vendor, device.device) in ids
+
+    def _real_devices(self) -> Path:
+        return (self.sys / "devices" / "pci0000:00").resolve()
+
+    def _drivers(self) -> Path:
+        return (self.sys / "bus/pci/drivers").resolve()
+
+    def _bus(self) -> Path:
+        return (self.sys / "bus/pci").resolve()
 
     def _bind(self, address: str, driver: str) -> None:
         device = self.devices[address]
@@ -163,6 +251,17 @@ class FakeKernel:
             for name in device.drm:
                 (real / "drm" / name).rmdir()
                 (self.dev / "dri" / name).unlink(missing_ok=True)
+
+
+def _device_name(text: str) -> str:
+    """What bus_find_device_by_name compares: the text without one trailing newline."""
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _error(code: int, path: Path | None = None) -> OSError:
+    if path is None:
+        return OSError(code, os.strerror(code))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def gpu_with_audio(root: Path) -> FakeKernel:

@@ -48,7 +48,7 @@ def test_exclusive_claim_and_release_move_the_whole_group(make_host, kernel):
     assert kernel.driver_of(GPU) == kernel.driver_of(AUDIO) == "vfio-pci"
     assert kernel.driver_of("0000:00:01.0") == "pcieport"  # the bridge stays
     assert (kernel.dev / "vfio/12").exists()
-    arbiter.release_claimant("libvirt:win11")
+    arbiter.release_claimant("libvirt:win11", force=True)  # as the hook, told by libvirt
     assert (kernel.driver_of(GPU), kernel.driver_of(AUDIO)) == ("nvidia", "snd_hda_intel")
 
 
@@ -84,19 +84,39 @@ def test_switching_a_function_outside_the_token_is_refused(make_host):
         host.switch(token, {"0000:0b:00.0": "vfio-pci"})
 
 
-def test_cdi_is_not_regenerated_for_a_gpu_that_is_not_on_nvidia(make_host, kernel, caplog):
+@pytest.fixture
+def commands(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """Every command run through the one subprocess door (run.run), recorded, not run;
+    `run.which` finds every program in /usr/bin (nvidia-ctk included)."""
+    from charly_arbiter import run
+
+    ran: list[list[str]] = []
+
+    def record(argv: list[str], **options: object) -> run.Completed:
+        ran.append(list(argv))
+        return run.Completed(0, "", "")
+
+    monkeypatch.setattr(run, "which", lambda program: f"/usr/bin/{program}")
+    monkeypatch.setattr(run, "run", record)
+    return ran
+
+
+def test_cdi_is_regenerated_only_once_the_gpu_is_back_on_nvidia(make_host, commands):
     host = make_host()
     token = TokenSpec("gpu0", GPU, tuple(host.token_functions("gpu0", GPU)))
     host.switch(token, {GPU: "vfio-pci", AUDIO: "vfio-pci"})
-    host.regenerate_cdi(token)  # on vfio-pci: nothing to do, and nothing is run
-    assert "nvidia-ctk" not in caplog.text
+    host.regenerate_cdi(token)  # on vfio-pci: nvidia-ctk would not see the GPU
+    assert commands == []
+    host.switch(token, {GPU: "nvidia", AUDIO: "snd_hda_intel"})
+    host.regenerate_cdi(token)
+    assert commands == [["/usr/bin/nvidia-ctk", "cdi", "generate", f"--output={host.cdi_spec}"]]
 
 
-def test_cdi_regeneration_without_nvidia_ctk_logs_and_goes_on(make_host, caplog):
+def test_cdi_regeneration_without_nvidia_ctk_logs_and_goes_on(make_host, caplog, monkeypatch):
     from charly_arbiter import run
 
-    if run.which("nvidia-ctk"):
-        pytest.skip("nvidia-ctk is installed here; this test is about its absence")
+    monkeypatch.setattr(run, "which", lambda program: None)
+    monkeypatch.setattr(run, "run", lambda *args, **options: pytest.fail(f"ran {args}"))
     host = make_host()
     token = TokenSpec("gpu0", GPU, tuple(host.token_functions("gpu0", GPU)))
     with caplog.at_level("INFO", logger="charly_arbiter.localhost"):
@@ -110,7 +130,7 @@ def test_the_default_isolated_writes_switch_the_fake_tree_too(make_host, kernel)
     arbiter = arbiter_for(host)
     arbiter.acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
     assert kernel.driver_of(GPU) == kernel.driver_of(AUDIO) == "vfio-pci"
-    arbiter.release_claimant("libvirt:win11")
+    arbiter.release_claimant("libvirt:win11", force=True)  # as the hook, told by libvirt
     assert (kernel.driver_of(GPU), kernel.driver_of(AUDIO)) == ("nvidia", "snd_hda_intel")
     unbinds = [w for w in kernel.writes if w[0].endswith("unbind")]
     assert unbinds == [], "unbind is written by the helper, not by this process"

@@ -3,6 +3,7 @@ found through the real /proc, refused or terminated by policy."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -86,8 +87,11 @@ def test_a_gone_process_stops_quietly_and_start_does_nothing(make_host):
 
 
 def test_zombies_hold_nothing(tmp_path):
-    process = subprocess.Popen(["/bin/true"])
-    time.sleep(0.3)  # exited, not yet reaped: a zombie
+    process = subprocess.Popen(["/bin/cat"], stdin=subprocess.PIPE)
+    assert alive(Path("/proc"), process.pid)  # running (waiting for input)
+    assert process.stdin is not None
+    process.stdin.close()
+    os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
     assert not alive(Path("/proc"), process.pid)
     process.wait()
 

@@ -137,13 +137,34 @@ def test_a_device_link_that_leaves_the_root_is_refused(tmp_path, kernel):
         Sysfs(kernel.sys).device("0000:0c:00.0")
 
 
+def write_syscalls() -> int:
+    """write(2) calls this thread has made so far, from the kernel's task I/O accounting."""
+    try:
+        text = Path("/proc/thread-self/io").read_text()
+    except OSError:
+        pytest.skip("this kernel has no per-task I/O accounting (/proc/thread-self/io)")
+    return int(next(line for line in text.splitlines() if line.startswith("syscw:")).split()[1])
+
+
 def test_real_writer_writes_once(tmp_path):
+    """The kernel's store functions see each write(2) as a whole value: one call, all of it."""
     from charly_arbiter.sysfs import write_attribute
 
     target = tmp_path / "attr"
     target.write_text("")
+    before = write_syscalls()
     write_attribute(target, "vfio-pci\n")
+    assert write_syscalls() - before == 1
     assert target.read_text() == "vfio-pci\n"
+
+
+def test_real_writer_never_creates_an_attribute(tmp_path):
+    """A missing attribute is an error (an old kernel, a driver not loaded), not a new file."""
+    from charly_arbiter.sysfs import write_attribute
+
+    with pytest.raises(FileNotFoundError):
+        write_attribute(tmp_path / "driver_override", "vfio-pci\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_write_error_is_a_switch_failure_naming_the_step(kernel):

@@ -227,6 +227,63 @@ class Libvirt:
         out = self.virsh("list", "--name").stdout
         return {line.strip() for line in out.splitlines() if line.strip().startswith(PREFIX)}
 
+    def states(self) -> dict[str, str]:
+        """libvirt's own word for the state of every test domain ("running", "shut off",
+        "paused", ...), from one `virsh list --all`."""
+        out = self.virsh("list", "--all").stdout.splitlines()[2:]
+        rows = (line.split(None, 2) for line in out if line.strip())
+        return {row[1]: row[2].strip() for row in rows if row[1].startswith(PREFIX)}
+
+    def busy(self) -> list[str]:
+        """What still acts on the arbiter's behalf: each item names a process or a domain.
+
+        The detached half of `release` (hook.py `finish-release`) for this state
+        directory; a hook or a holder stop/start still marked by a live process
+        (STATE_DIR/libvirt-hooks, libvirt-acting); a lease mid-step whose owner
+        lives; a test domain between "running" and "shut off".
+        """
+        from charly_arbiter.hook import DETACHED
+        from charly_arbiter.ledger import Ledger
+        from charly_arbiter.model import LeaseState
+
+        found = []
+        state_dir = str(self.state_dir).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if DETACHED.encode() in argv and state_dir in argv:
+                found.append(f"{DETACHED} pid {entry.name}")
+        for kind in ("libvirt-hooks", "libvirt-acting"):
+            for marker in sorted((self.state_dir / kind).glob("*")):
+                if _pid_alive(marker):
+                    found.append(f"{kind}/{marker.name} of a live process")
+        for lease in Ledger(self.state_dir).read().leases:
+            if lease.state is not LeaseState.ACTIVE and lease.owner_pid:
+                with contextlib.suppress(OSError):
+                    os.kill(lease.owner_pid, 0)
+                    found.append(f"{lease.claimant} {lease.state} by pid {lease.owner_pid}")
+        found += [
+            f"{name} {state}"
+            for name, state in self.states().items()
+            if state not in ("running", "shut off")
+        ]
+        return found
+
+    def settle(self, timeout: float = 60) -> float:
+        """Wait until `busy()` is empty; the seconds it took.  Fails after `timeout`."""
+        started = time.monotonic()
+        while True:
+            pending = self.busy()
+            if not pending:
+                return time.monotonic() - started
+            if time.monotonic() - started > timeout:
+                raise AssertionError(f"not settled after {timeout} s: {', '.join(pending)}")
+            time.sleep(0.1)
+
     def qemu_pid(self, name: str) -> int:
         return int((RUN / "libvirt" / "qemu" / f"{name}.pid").read_text().strip())
 

@@ -40,6 +40,7 @@ def test_no_claim_path_imports_nothing_heavy(operation: list[str]) -> None:
     result, modules = imported_modules("qemu", "plain", *operation, stdin=PLAIN)
     assert result.returncode == 0
     assert result.stdout == b""
+    assert "charly_arbiter.hook" in modules, "no import was measured: the check would be empty"
     heavy = {m for m in modules if m.split(".")[0] in HEAVY}
     assert heavy == set(), heavy
     for module in ("charly_arbiter.config", "charly_arbiter.ledger", "charly_arbiter.domainxml"):
@@ -53,19 +54,6 @@ def test_fast_path_markers_match_the_claim_rules() -> None:
 
     assert set(CLAIM_MARKERS) == {b"hostdev", NAMESPACE.encode()}
     assert not might_claim(PLAIN)
-
-
-def test_hook_script_does_nothing_when_the_package_is_gone(tmp_path: Path) -> None:
-    """hooks/qemu exits 0 (and says nothing) when its program is not installed."""
-    script = (REPO / "hooks" / "qemu").read_text()
-    assert script.startswith("#!/bin/sh\n")
-    gone = tmp_path / "qemu"
-    gone.write_text(script.replace("/usr/bin/charly-arbiter", str(tmp_path / "removed")))
-    gone.chmod(0o755)
-    result = subprocess.run(
-        [str(gone), "vm", "prepare", "begin", "-"], input=PLAIN, capture_output=True, timeout=10
-    )
-    assert (result.returncode, result.stdout, result.stderr) == (0, b"", b"")
 
 
 def test_hook_script_hands_arguments_and_stdin_on(tmp_path: Path) -> None:

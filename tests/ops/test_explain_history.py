@@ -109,6 +109,7 @@ def test_explain_a_stranger(sim):
 def test_history_filters_by_token_claimant_and_time(sim):
     sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", check=True)
     sim.cli("acquire", "--exclusive", "libvirt:other", "gpu1")
+    sim.stopped("libvirt:win11")
     sim.cli("release", "libvirt:win11", check=True)
 
     everything = json.loads(sim.cli("history", "--json", check=True).stdout)

@@ -55,8 +55,37 @@ def test_a_value_with_a_newline_uses_the_binary_form(journal):
     assert entry["PRIORITY"] == "3"
 
 
-def test_no_socket_means_nothing_is_sent_and_nothing_fails(tmp_path):
-    JournalSink(tmp_path / "absent.socket")("claim", {"claimant": "libvirt:a", "token": "gpu0"})
+def test_no_socket_means_nothing_is_sent_and_nothing_fails(tmp_path, caplog):
+    """Without journald there is no attempt to send (the attempt would fail and be
+    logged) and nothing is created in the socket's place."""
+    path = tmp_path / "absent.socket"
+    with caplog.at_level("DEBUG", logger="charly_arbiter.journal"):
+        JournalSink(path)("claim", {"claimant": "libvirt:a", "token": "gpu0"})
+    assert caplog.records == []
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_journal_that_went_away_is_logged_not_raised(journal, caplog):
+    """A socket file whose journald is gone refuses the datagram: the event is not lost
+    from the history, so the sink logs it at debug level and the claim goes on."""
+    path, receiver = journal
+    receiver.close()  # the file stays, nobody listens: sendto fails (ECONNREFUSED)
+    with caplog.at_level("DEBUG", logger="charly_arbiter.journal"):
+        JournalSink(path)("claim", {"claimant": "libvirt:a", "token": "gpu0"})
+    assert [record.levelname for record in caplog.records] == ["DEBUG"]
+    assert "could not send event claim" in caplog.text
+
+
+def test_a_journal_that_appears_later_gets_the_next_event(tmp_path):
+    """The socket is looked for at each event, not once: journald may start after us."""
+    path = tmp_path / "journal.socket"
+    sink = JournalSink(path)
+    sink("claim", {"claimant": "libvirt:a", "token": "gpu0"})
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
+        receiver.bind(str(path))
+        receiver.settimeout(10)
+        sink("active", {"claimant": "libvirt:a", "token": "gpu0"})
+        assert dict(decode_journal(receiver.recv(65536)))["CHARLY_EVENT"] == "active"
 
 
 def test_the_cli_sends_each_step_of_a_claim_to_the_journal(sim, journal):

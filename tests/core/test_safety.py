@@ -1,0 +1,410 @@
+"""Issue 9's defects, one test each, on the simulated host with the real CLI and hook.
+
+Each of these failed on the code before the fix: the comment on each says what
+it found then.  The invariants (tests/invariants.py) are checked after every
+step where the defect broke one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from coretools import (
+    HOLDER_REFS,
+    REPO,
+    check_invariants,
+    host_state,
+    ledger_bytes,
+    read_ledger,
+)
+
+from charly_arbiter.arbiter import Arbiter
+from charly_arbiter.config import load_config
+from charly_arbiter.errors import ClaimRefused
+from charly_arbiter.ledger import Ledger
+from charly_arbiter.model import LeaseState, Mode, ProcessRef, StepState
+from charly_arbiter.procscan import process_ref
+from charly_arbiter.simhost import SimHost
+
+PROC = Path("/proc")
+
+
+def domain_xml(name: str, *addresses: str, description: str = "") -> bytes:
+    hostdevs = "".join(
+        "<hostdev mode='subsystem' type='pci' managed='yes'><source>"
+        f"<address domain='0x{a[0:4]}' bus='0x{a[5:7]}' slot='0x{a[8:10]}' "
+        f"function='0x{a[11]}'/></source></hostdev>"
+        for a in addresses
+    )
+    text = f"<description>{description}</description>" if description else ""
+    return (
+        f"<domain type='qemu'><name>{name}</name>{text}<devices>{hostdevs}</devices></domain>"
+    ).encode()
+
+
+def hook(sim, guest: str, operation: str, sub: str, extra: str, xml: bytes):
+    return subprocess.run(
+        [sys.executable, "-m", "charly_arbiter", "hook", "qemu", guest, operation, sub, extra],
+        input=xml,
+        capture_output=True,
+        env=sim.env(),
+        cwd=REPO,
+        timeout=120,
+    )
+
+
+def settle(sim, deadline: float = 30.0) -> None:
+    """Wait until no lease is acquiring or releasing (a detached release has ended)."""
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        if all(lease.state is LeaseState.ACTIVE for lease in read_ledger(sim.state_dir).leases):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"not settled: {read_ledger(sim.state_dir).leases}")
+
+
+# -- 1. a VM destroyed and started at once ------------------------------------------
+
+
+def test_a_vm_destroyed_and_started_at_once_runs_with_its_lease(sim):
+    """Before: the release hook handed off to a detached process with the lease still
+    active; the next prepare answered "already held", then the detached process sent
+    the GPU home: the VM ran without a lease, its holders ran too, and a third VM got
+    the same GPU."""
+    xml = domain_xml("win11", "0000:0a:00.0")
+    for round_ in range(5):
+        started = hook(sim, "win11", "prepare", "begin", "-", xml)
+        assert started.returncode == 0, started.stderr
+        assert started.stdout == b""
+        check_invariants(sim, f"round {round_} after prepare")
+        sim.stopped("libvirt:win11")  # virsh destroy: then libvirt runs the release hook
+        released = hook(sim, "win11", "release", "end", "destroyed", xml)
+        assert released.returncode == 0, released.stderr
+        lease = read_ledger(sim.state_dir).lease_of("libvirt:win11")
+        # Releasing already, under the lock, before the hook returned.
+        assert lease is None or lease.state is LeaseState.RELEASING
+        sim.host().set_running("libvirt:win11", True)  # virsh start at once
+        again = hook(sim, "win11", "prepare", "begin", "-", xml)
+        assert again.returncode == 0, again.stderr
+        settle(sim)
+        state = read_ledger(sim.state_dir)
+        lease = state.lease_of("libvirt:win11")
+        assert (
+            lease is not None and lease.state is LeaseState.ACTIVE and lease.mode is Mode.EXCLUSIVE
+        )
+        snapshot = host_state(sim)
+        assert snapshot["drivers"]["0000:0a:00.0"] == "vfio-pci"
+        assert not snapshot["running"]["container:llm"]
+        assert not snapshot["running"]["systemd:ollama.service"]
+        check_invariants(sim, f"round {round_} after the restart")
+        third = hook(
+            sim, "linux-dev", "prepare", "begin", "-", domain_xml("linux-dev", "0000:0a:00.0")
+        )
+        assert third.returncode == 1 and b"held exclusively by libvirt:win11" in third.stderr
+        sim.stopped("libvirt:win11")
+        assert hook(sim, "win11", "release", "end", "destroyed", xml).returncode == 0
+        settle(sim)
+        sim.host().set_running("libvirt:win11", True)
+
+
+def test_a_prepare_that_waits_too_long_for_its_release_is_refused_clearly(sim):
+    """A release that never ends (its writer hung) does not let the VM start without a
+    lease: the prepare waits `claim_wait`, then refuses with the reason."""
+    text = sim.config_path.read_text().replace(
+        "claim_grace = 0.001", "claim_grace = 0.001\nclaim_wait = 1"
+    )
+    sim.config_path.write_text(text)
+    sim.arbiter().acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    sleeper = subprocess.Popen(["/bin/sleep", "60"])
+    try:
+        _unfinished_lease_by(sim, process_ref(PROC, sleeper.pid), LeaseState.RELEASING)
+        started = time.monotonic()
+        result = hook(sim, "win11", "prepare", "begin", "-", domain_xml("win11", "0000:0a:00.0"))
+        assert result.returncode == 1
+        assert b"its previous lease is still being released" in result.stderr
+        assert time.monotonic() - started >= 1.0
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+# -- 2. a preempted shared claimant comes back beside a new exclusive lease ---------
+
+
+def test_a_preempted_shared_claimant_is_not_reinstated_beside_a_new_exclusive_lease(sim):
+    """Before: releasing an exclusive lease restarted a preempted shared claimant and
+    recreated its lease without looking whether another exclusive lease had taken the
+    GPU meanwhile (I1), and the GPU then stayed on vfio-pci under the shared lease."""
+    arbiter = sim.arbiter()
+    arbiter.acquire("container:llm", Mode.SHARED, ["gpu0"])
+    arbiter.acquire("libvirt:a", Mode.EXCLUSIVE, ["gpu0"])  # preempts container:llm
+    sim.stopped("libvirt:a")
+    from charly_arbiter import crashpoints
+
+    def between(step: str) -> None:
+        # After libvirt:a sent gpu0 home and before it brings container:llm back,
+        # libvirt:b claims gpu0: it must keep container:llm stopped, not meet it.
+        if step != "ledger.unlocked":
+            return
+        releasing = read_ledger(sim.state_dir).lease_of("libvirt:a")
+        if (
+            releasing is not None
+            and releasing.switch_state("gpu0") is StepState.DONE
+            and all(r.state is not StepState.STARTING for r in releasing.stopped)
+        ):
+            crashpoints.hook = None
+            sim.arbiter().acquire("libvirt:b", Mode.EXCLUSIVE, ["gpu0"])
+            check_invariants(sim, "libvirt:b claimed during the release")
+
+    crashpoints.hook = between
+    try:
+        arbiter.release_claimant("libvirt:a")
+    finally:
+        crashpoints.hook = None
+    state = read_ledger(sim.state_dir)
+    assert [lease.claimant for lease in state.leases] == ["libvirt:b"]
+    (lease,) = state.leases
+    assert {r.holder for r in lease.unrestored()} >= {"container:llm"}
+    check_invariants(sim, "after the release")
+    sim.stopped("libvirt:b")
+    arbiter.release_claimant("libvirt:b")
+    state = read_ledger(sim.state_dir)
+    assert [(lease.claimant, lease.mode) for lease in state.leases] == [
+        ("container:llm", Mode.SHARED)
+    ]
+    assert host_state(sim)["drivers"]["0000:0a:00.0"] == "nvidia"
+    check_invariants(sim, "at the end")
+
+
+# -- 4. the writer of an unfinished lease, known by pid alone -----------------------
+
+
+def _unfinished_lease_by(
+    sim, writer: ProcessRef | None, state: LeaseState = LeaseState.ACQUIRING
+) -> None:
+    """Make libvirt:win11's lease one that `writer` is still carrying out."""
+    assert writer is not None
+    with Ledger(sim.state_dir).transaction() as txn:
+        lease = txn.state.lease_of("libvirt:win11")
+        assert lease is not None
+        txn.state = txn.state.with_lease(replace(lease, state=state).owned_by(writer))
+
+
+def test_a_zombie_writer_is_dead(sim):
+    """Before: kill(pid, 0) succeeds for a zombie, so its lease stayed "in progress"
+    and `restore` refused until the zombie was reaped."""
+    sim.arbiter().acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    zombie = subprocess.Popen(["/bin/true"])
+    try:
+        time.sleep(0.3)  # exited, not reaped: a zombie
+        with open(f"/proc/{zombie.pid}/stat") as stat:
+            assert stat.read().rpartition(")")[2].split()[0] == "Z"
+        _unfinished_lease_by(sim, ProcessRef(zombie.pid))
+        sim.stopped("libvirt:win11")
+        assert "libvirt:win11" in sim.status()["stranded"]
+        result = sim.cli("restore", "--stranded")
+        assert result.returncode == 0 and "restored libvirt:win11" in result.stdout, result.stderr
+    finally:
+        zombie.wait()
+
+
+def test_a_pid_reused_by_another_process_is_not_the_writer(sim):
+    """Before: a live process that got the dead writer's pid kept its lease "in
+    progress".  The start time tells them apart."""
+    sim.arbiter().acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    other = subprocess.Popen(["/bin/sleep", "60"])
+    try:
+        real = process_ref(PROC, other.pid)
+        assert real is not None
+        _unfinished_lease_by(sim, ProcessRef(other.pid, real.start - 1))  # an earlier process
+        sim.stopped("libvirt:win11")
+        assert "libvirt:win11" in sim.status()["stranded"]
+        assert sim.cli("restore", "--stranded").returncode == 0
+        # The very same process, though, is alive: its lease is in progress.
+        sim.host().set_running("libvirt:win11", True)
+        sim.arbiter().acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+        _unfinished_lease_by(sim, real)
+        sim.stopped("libvirt:win11")
+        assert "libvirt:win11" not in sim.status()["stranded"]
+        refused = sim.cli("restore", "libvirt:win11")
+        assert refused.returncode == 1 and f"by process {other.pid}" in refused.stderr
+    finally:
+        other.kill()
+        other.wait()
+
+
+# -- 5. releasing a claimant that still runs -----------------------------------------
+
+
+@pytest.mark.parametrize("command", [("release",), ("restore",)])
+def test_releasing_or_restoring_a_claimant_that_runs_is_refused(sim, command):
+    """Before: `release` (and `restore NAME`) sent the GPU home under a running VM (on
+    a real host the unbind blocks until QEMU lets go, and the GPU is poisoned)."""
+    sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", check=True)
+    before = (ledger_bytes(sim.state_dir), host_state(sim))
+    refused = sim.cli(*command, "libvirt:win11")
+    assert refused.returncode == 3
+    assert refused.stderr.startswith("charly-arbiter: libvirt:win11 still runs")
+    assert "--force" in refused.stderr and refused.stdout == ""
+    assert (ledger_bytes(sim.state_dir), host_state(sim)) == before
+    forced = sim.cli(*command, "--force", "libvirt:win11")
+    assert forced.returncode == 0, forced.stderr
+    assert read_ledger(sim.state_dir).leases == ()
+
+
+# -- 7. a failure that is not the arbiter's own error ---------------------------------
+
+
+class _BrokenStop(SimHost):
+    def stop(self, ref: str) -> None:
+        if ref == "systemd:ollama.service":
+            raise ValueError("a bug in a holder source")
+        super().stop(ref)
+
+
+def test_any_exception_after_the_first_side_effect_rolls_back(sim):
+    """Before: only ArbiterError triggered the rollback, so a holder stayed stopped and
+    the lease stayed `acquiring`."""
+    config = load_config(sim.config_path, environ={})
+    host = _BrokenStop(sim.sim_dir, switch_timeout=2)
+    arbiter = Arbiter(config, host, Ledger(config.state_dir, config.timeouts.lock_wait))
+    before = host_state(sim)
+    with pytest.raises(ValueError, match="a bug"):
+        arbiter.acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    assert host_state(sim) == before
+    assert read_ledger(sim.state_dir).leases == ()
+
+
+# -- 8. odd state files ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "fifo", "hardlink"])
+def test_an_odd_lock_file_is_refused_and_nothing_is_touched(sim, tmp_path, kind):
+    """Before: a symlink, directory or FIFO gave an internal error, and a lock file
+    hard-linked to another file was accepted and that file truncated."""
+    sim.cli("acquire", "--shared", "container:x", "gpu1", check=True)
+    lock = sim.state_dir / "ledger.lock"
+    lock.unlink()
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    victim.chmod(0o600)
+    if kind == "symlink":
+        lock.symlink_to(victim)
+    elif kind == "directory":
+        lock.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(lock, 0o600)
+    else:
+        os.link(victim, lock)
+    before = (ledger_bytes(sim.state_dir), host_state(sim))
+    result = sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", timeout=20)
+    assert result.returncode == 1
+    assert "ledger.lock" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 2
+    assert (ledger_bytes(sim.state_dir), host_state(sim)) == before
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_directory_where_the_backup_temp_goes_is_refused(sim):
+    sim.cli("acquire", "--shared", "container:x", "gpu1", check=True)
+    (sim.state_dir / "ledger.toml.bak.tmp").mkdir()
+    result = sim.cli("acquire", "--shared", "container:y", "gpu1")
+    assert result.returncode == 1
+    assert "ledger.toml.bak.tmp" in result.stderr and "is a directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_symlinked_history_file_is_one_line_and_the_claim_still_works(sim, tmp_path):
+    """Before: a traceback without -v.  The history is not worth failing a claim for:
+    the event is not kept, and the message says why in one line."""
+    sim.cli("acquire", "--shared", "container:x", "gpu1", check=True)
+    history = sim.state_dir / "history.jsonl"
+    target = tmp_path / "elsewhere.jsonl"
+    history.rename(target)
+    history.symlink_to(target)
+    before = target.read_bytes()
+    result = sim.cli("acquire", "--shared", "container:y", "gpu1")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "history.jsonl: it is a symlink" in result.stderr
+    assert target.read_bytes() == before
+
+
+# -- 9. a start that can never succeed -----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fault", "why"),
+    [
+        ("iommu = false\n", "the IOMMU is off"),
+        ("vfio_pci = false\n", "vfio-pci is neither loaded nor installed"),
+    ],
+)
+def test_a_host_that_cannot_pass_through_refuses_before_stopping_anything(sim, fault, why):
+    """Before: on a host without an IOMMU a claim stopped its holders (12 s for a VM)
+    before libvirt refused the start; the holder was then cold-restarted."""
+    sim.set_host(fault + (sim.sim_dir / "host.toml").read_text())
+    before = (ledger_bytes(sim.state_dir), host_state(sim))
+    result = hook(sim, "win11", "prepare", "begin", "-", domain_xml("win11", "0000:0a:00.0"))
+    assert result.returncode == 1
+    assert why.encode() in result.stderr and b"cannot pass it through" in result.stderr
+    assert (ledger_bytes(sim.state_dir), host_state(sim)) == before
+    assert "refused" in sim.cli("history").stdout
+    # Shared claims need no IOMMU.
+    assert sim.cli("acquire", "--shared", "container:x", "gpu0").returncode == 0
+
+
+def test_an_iommu_group_shared_with_another_device_is_refused(sim):
+    host = (sim.sim_dir / "host.toml").read_text()
+    sim.set_host(
+        host + '\n[[devices]]\naddress = "0000:0c:00.0"\nvendor = "8086"\ndevice = "1533"\n'
+        'class = "020000"\ndriver = "igb"\niommu_group = 12\n'
+    )
+    before = host_state(sim)
+    result = sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0")
+    assert result.returncode == 3
+    assert "0000:0c:00.0 (class 020000)" in result.stderr
+    assert host_state(sim) == before
+
+
+# -- 10. smaller ---------------------------------------------------------------------------
+
+
+def test_a_token_whose_lease_is_releasing_is_not_shown_idle(sim):
+    arbiter = sim.arbiter()
+    arbiter.acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    sim.set_host(
+        (sim.sim_dir / "host.toml")
+        .read_text()
+        .replace('name = "llm"\n', 'name = "llm"\nfail_start = true\n')
+    )
+    sim.stopped("libvirt:win11")
+    arbiter.release_claimant("libvirt:win11")  # home, but container:llm will not start
+    status = json.loads(sim.cli("status", "--json").stdout)
+    assert status["tokens"]["gpu0"]["mode"] == "releasing"
+    assert "releasing" in sim.cli("status").stdout.split("\n", 1)[0]
+
+
+def test_events_quote_values_with_spaces_in_the_log(sim):
+    result = sim.cli("-v", "acquire", "--shared", "container:my llm", "gpu1")
+    assert result.returncode == 0, result.stderr
+    assert 'claimant="container:my llm"' in result.stderr
+
+
+def test_every_holder_stays_recorded_through_a_refused_claim(sim):
+    sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", check=True)
+    refused = sim.cli("acquire", "--exclusive", "libvirt:other", "gpu0")
+    assert refused.returncode == 3
+    check_invariants(sim, "after a refusal")
+    assert {r.holder for r in read_ledger(sim.state_dir).leases[0].unrestored()} == set(
+        HOLDER_REFS[:2]
+    )
+    with pytest.raises(ClaimRefused):
+        sim.arbiter().acquire("libvirt:other", Mode.EXCLUSIVE, ["gpu0"])
