@@ -609,6 +609,12 @@ def current_of(world: World, claimant: str) -> MLease:
 
 def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
     world = run.world
+    if current(run, claimant).mode is EXCLUSIVE and any(
+        current(run, claimant).holds(token) for token in uses(record)
+    ):
+        # This lease still holds the holder's GPU (its way home failed): the
+        # holder waits, and `restore` brings it back once the lease lets go.
+        return
     others = [lease for lease in world.leases if lease.claimant != claimant]
     # Its token is held exclusively now (I1: a shared claimant may not come back
     # beside that lease, and a holder may not run on a GPU a VM holds): that
@@ -1146,7 +1152,7 @@ def machine_settings(examples: int, steps: int) -> settings:
 
 
 def test_state_machine() -> None:
-    run_state_machine_as_test(ArbiterMachine, settings=machine_settings(25, 30))
+    run_state_machine_as_test(ArbiterMachine, settings=machine_settings(60, 30))
 
 
 @pytest.mark.slow
