@@ -25,9 +25,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from charly_arbiter.ledger import Ledger  # noqa: E402
-from charly_arbiter.model import Lease, LeaseState, Mode  # noqa: E402
-from charly_arbiter.simhost import SimHost  # noqa: E402
+from charly_arbiter.core.ledger import Ledger  # noqa: E402
+from charly_arbiter.core.model import Lease, LeaseState, Mode  # noqa: E402
+from charly_arbiter.host.sim import SimHost  # noqa: E402
 
 CLAIMANTS = 16
 

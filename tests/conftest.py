@@ -13,61 +13,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from simhosts import default_host
 
-from charly_arbiter.arbiter import Arbiter
-from charly_arbiter.config import load_config
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.simhost import SimHost
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.config import load_config
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.host.sim import SimHost
 
 REPO = Path(__file__).resolve().parent.parent
 
 # One GPU with its audio function (gpu0), a second GPU alone (gpu1), and holders.
-DEFAULT_HOST = """
-[[devices]]
-address = "0000:0a:00.0"
-vendor = "10de"
-device = "2684"
-class = "030000"
-driver = "nvidia"
-iommu_group = 12
-
-[[devices]]
-address = "0000:0a:00.1"
-vendor = "10de"
-device = "22ba"
-class = "040300"
-driver = "snd_hda_intel"
-iommu_group = 12
-
-[[devices]]
-address = "0000:0b:00.0"
-vendor = "10de"
-device = "2204"
-class = "030000"
-driver = "nvidia"
-iommu_group = 13
-
-[[holders]]
-kind = "container"
-name = "llm"
-tokens = ["gpu0"]
-preemptible = true
-running = true
-
-[[holders]]
-kind = "systemd"
-name = "ollama.service"
-tokens = ["gpu0"]
-preemptible = true
-running = true
-
-[[holders]]
-kind = "systemd"
-name = "display-manager.service"
-tokens = ["gpu1"]
-preemptible = false
-running = true
-"""
+DEFAULT_HOST = default_host()
 
 DEFAULT_CONFIG = """
 host = "sim:{sim}"

@@ -23,8 +23,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from charly_arbiter.model import VFIO, LedgerState, Mode
-from charly_arbiter.planner import blocks_token
+from charly_arbiter.core.model import VFIO, LedgerState, Mode
+from charly_arbiter.core.planner import blocks_token
 
 T = TypeVar("T")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from charly_arbiter.config import load_config
+from charly_arbiter.core.config import load_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "etc" / "charly-arbiter" / "arbiter.toml"
 

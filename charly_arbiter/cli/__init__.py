@@ -11,7 +11,7 @@ a traceback only with `-v`.
 from __future__ import annotations
 
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn
 
 COMMANDS = {
     "status": "charly_arbiter.cli.status:status",
@@ -33,7 +33,7 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
     if args[:1] == ["hook"]:
-        from charly_arbiter.hook import main as hook_main
+        from charly_arbiter.libvirt.hook import main as hook_main
 
         sys.exit(hook_main(args[1:]))
     from charly_arbiter.cli.app import build
@@ -42,11 +42,4 @@ def main(argv: list[str] | None = None) -> NoReturn:
     sys.exit(0)
 
 
-def load(spec: str) -> Any:
-    import importlib
-
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-__all__ = ["COMMANDS", "load", "main"]
+__all__ = ["COMMANDS", "main"]

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import sys
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import click
 
-from charly_arbiter import __version__
+from charly_arbiter import __version__, compose
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.config import Config, load_config
+from charly_arbiter.core.host import Host
+from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.errors import ArbiterError
 from charly_arbiter.logsetup import log_setup
 
@@ -22,52 +27,45 @@ log = logging.getLogger("charly_arbiter.cli")
 
 @dataclass
 class App:
-    """What every command shares: the options, and the objects built from them on demand."""
+    """What every command shares: the options, and the objects built from them on demand
+    (`compose` wires them, as it does for the hooks)."""
 
     config_path: Path | None
     state_dir: Path | None
     host_spec: str | None
     verbose: int
-    _built: dict[str, Any] = field(default_factory=dict)
+    _config: Config | None = None
+    _host: Host | None = None
+    _ledger: Ledger | None = None
+    _arbiter: Arbiter | None = None
 
-    def config(self) -> Any:
-        if "config" not in self._built:
-            from charly_arbiter.config import load_config
-
-            self._built["config"] = load_config(
+    def config(self) -> Config:
+        if self._config is None:
+            self._config = load_config(
                 self.config_path, state_dir=self.state_dir, host=self.host_spec
             )
-        return self._built["config"]
+        return self._config
 
-    def host(self) -> Any:
-        if "host" not in self._built:
-            from charly_arbiter.hosts import open_host
+    def host(self) -> Host:
+        if self._host is None:
+            self._host = compose.open_host(self.config())
+        return self._host
 
-            self._built["host"] = open_host(self.config())
-        return self._built["host"]
+    def ledger(self) -> Ledger:
+        if self._ledger is None:
+            self._ledger = compose.open_ledger(self.config())
+        return self._ledger
 
-    def ledger(self) -> Any:
-        if "ledger" not in self._built:
-            from charly_arbiter.ledger import Ledger
-
-            config = self.config()
-            self._built["ledger"] = Ledger(config.state_dir, config.timeouts.lock_wait)
-        return self._built["ledger"]
-
-    def arbiter(self) -> Any:
-        if "arbiter" not in self._built:
-            from charly_arbiter.arbiter import Arbiter
-            from charly_arbiter.eventlog import events_for
-
-            config = self.config()
-            events = events_for(config, progress=True)
-            self._built["arbiter"] = Arbiter(config, self.host(), self.ledger(), events)
-        return self._built["arbiter"]
+    def arbiter(self) -> Arbiter:
+        if self._arbiter is None:
+            self._arbiter = compose.build_arbiter(
+                self.config(), host=self.host(), ledger=self.ledger(), progress=True
+            )
+        return self._arbiter
 
     def close(self) -> None:
-        host = self._built.get("host")
-        if host is not None:
-            host.close()
+        if self._host is not None:
+            self._host.close()
 
 
 class LazyGroup(click.Group):
@@ -85,10 +83,12 @@ class LazyGroup(click.Group):
         return sorted(self.lazy)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        from charly_arbiter.cli import load
-
         spec = self.lazy.get(cmd_name)
-        return load(spec) if spec else None
+        if spec is None:
+            return None
+        module, _, name = spec.partition(":")
+        command: click.Command = getattr(importlib.import_module(module), name)
+        return command
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

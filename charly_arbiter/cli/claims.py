@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import click
 
-from charly_arbiter.arbiter import Arbiter
 from charly_arbiter.cli.app import App
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.model import Mode
 from charly_arbiter.errors import ArbiterError
-from charly_arbiter.model import Mode
 
 
 @click.command()
@@ -86,7 +88,7 @@ def restore(app: App, stranded: bool, dry_run: bool, force: bool, claimants: tup
     click.echo(f"{verb} {', '.join(done)}" if done else "nothing to restore")
 
 
-def _left_behind(arbiter: Arbiter, claimants: list[str]) -> None:
+def _left_behind(arbiter: Arbiter, claimants: Sequence[str]) -> None:
     """Fail when a release could not finish (a GPU that did not go home, a holder
     that did not start): its lease stays for `restore`, and the operator must know."""
     state = arbiter.ledger.read()

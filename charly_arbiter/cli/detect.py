@@ -16,9 +16,9 @@ from charly_arbiter.errors import HostError
 @click.pass_obj
 def detect(app: App, as_json: bool, vm_memory: int) -> None:
     """List PCI functions, GPUs (NVML, KFD or sysfs) and whether VFIO passthrough can work."""
-    from charly_arbiter.detect import detect as run_detect
-    from charly_arbiter.detect import document, render
-    from charly_arbiter.localhost import LocalHost
+    from charly_arbiter.host.detect import detect as run_detect
+    from charly_arbiter.host.detect import document, render
+    from charly_arbiter.host.local import LocalHost
 
     host = app.host()
     if not isinstance(host, LocalHost):

@@ -6,10 +6,10 @@ from datetime import UTC, datetime
 
 import click
 
-from charly_arbiter import history
 from charly_arbiter.cli.app import App
-from charly_arbiter.explain import Facts, explain_claimant, explain_token
-from charly_arbiter.model import Claimant
+from charly_arbiter.core.model import Claimant
+from charly_arbiter.ops import history
+from charly_arbiter.ops.explain import Facts, explain_claimant, explain_token
 
 
 @click.command()
@@ -20,9 +20,9 @@ def explain(app: App, subject: str) -> None:
     arbiter = app.arbiter()
     is_claimant = ":" in subject
     if is_claimant:
-        subject = str(Claimant.parse(subject))
+        subject = Claimant.parse(subject)
     else:
-        arbiter.resolve([subject])  # an unknown token is an error that lists the known ones
+        arbiter.tokens.resolve([subject])  # an unknown token is an error that lists the known ones
     status = arbiter.status()
     if status.corrupt:
         click.echo(f"The ledger is corrupt: {status.corrupt}.")

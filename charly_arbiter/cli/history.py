@@ -7,8 +7,8 @@ import json
 import click
 
 from charly_arbiter.cli.app import App
-from charly_arbiter.events import describe
-from charly_arbiter.history import HistoryLog, Record, interrupted, parse_since, select
+from charly_arbiter.core.events import describe
+from charly_arbiter.ops.history import HistoryLog, Record, interrupted, parse_since, select
 
 
 @click.command()

@@ -9,8 +9,8 @@ import click
 
 from charly_arbiter.cli.app import App
 from charly_arbiter.errors import ArbiterError
-from charly_arbiter.history import HistoryLog
-from charly_arbiter.metrics import exposition, write_atomically
+from charly_arbiter.ops.history import HistoryLog
+from charly_arbiter.ops.metrics import exposition, write_atomically
 
 
 @click.command()

@@ -14,10 +14,10 @@ from typing import Any
 import click
 
 from charly_arbiter.cli.app import App
+from charly_arbiter.core.host import NO_DRIVER
+from charly_arbiter.core.model import Mode
+from charly_arbiter.core.planner import ClaimPlan
 from charly_arbiter.errors import ClaimRefused
-from charly_arbiter.host import NO_DRIVER
-from charly_arbiter.model import Mode
-from charly_arbiter.planner import ClaimPlan
 
 
 @click.command()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from charly_arbiter.cli.app import App
-from charly_arbiter.recovery import compare, recover
+from charly_arbiter.ops.recovery import compare, recover
 
 
 @click.command("recover")

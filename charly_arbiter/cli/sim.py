@@ -9,7 +9,7 @@ import click
 
 from charly_arbiter.cli.app import App
 from charly_arbiter.errors import HostError
-from charly_arbiter.simhost import EXAMPLE, SimHost
+from charly_arbiter.host.sim import EXAMPLE, SimHost
 
 CONFIG_EXAMPLE = """\
 # charly-arbiter configuration for the simulated host in this directory.

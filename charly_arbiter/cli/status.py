@@ -15,10 +15,10 @@ from typing import Any
 
 import click
 
-from charly_arbiter.arbiter import Status, TokenStatus
 from charly_arbiter.cli.app import App
-from charly_arbiter.explain import age
-from charly_arbiter.model import Lease
+from charly_arbiter.core.arbiter import Status, TokenStatus
+from charly_arbiter.core.model import Lease
+from charly_arbiter.ops.explain import age
 
 
 @click.command()

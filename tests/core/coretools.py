@@ -11,157 +11,17 @@ from pathlib import Path
 from typing import Any
 
 from invariants import HostFacts, assert_invariants, sim_facts
+from simhosts import default_host
 
-from charly_arbiter.ledger import LEDGER, Ledger
-from charly_arbiter.model import LedgerState
+from charly_arbiter.core.ledger import LEDGER, Ledger
+from charly_arbiter.core.model import LedgerState
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
-# The same host as tests/conftest.py's DEFAULT_HOST, written so that a test can
-# switch on one fault by name.
-DEVICES = """
-[[devices]]
-address = "0000:0a:00.0"
-vendor = "10de"
-device = "2684"
-class = "030000"
-driver = "nvidia"
-iommu_group = 12
-{gpu0_faults}
-
-[[devices]]
-address = "0000:0a:00.1"
-vendor = "10de"
-device = "22ba"
-class = "040300"
-driver = "snd_hda_intel"
-iommu_group = 12
-
-[[devices]]
-address = "0000:0b:00.0"
-vendor = "10de"
-device = "2204"
-class = "030000"
-driver = "nvidia"
-iommu_group = 13
-{gpu1_faults}
-"""
-
-HOLDERS = """
-[[holders]]
-kind = "container"
-name = "llm"
-tokens = ["gpu0"]
-preemptible = true
-running = true
-{llm_faults}
-
-[[holders]]
-kind = "systemd"
-name = "ollama.service"
-tokens = ["gpu0"]
-preemptible = true
-running = true
-{ollama_faults}
-
-[[holders]]
-kind = "systemd"
-name = "display-manager.service"
-tokens = ["gpu1"]
-preemptible = {dm_preemptible}
-running = true
-"""
-
-
-def host_toml(
-    *,
-    gpu0: str = "",
-    gpu1: str = "",
-    llm: str = "",
-    ollama: str = "",
-    dm_preemptible: bool = False,
-) -> str:
-    """The default simulated host with fault lines (`fail_switch = true`, ...) added."""
-    return DEVICES.format(gpu0_faults=gpu0, gpu1_faults=gpu1) + HOLDERS.format(
-        llm_faults=llm,
-        ollama_faults=ollama,
-        dm_preemptible=str(dm_preemptible).lower(),
-    )
-
+host_toml = default_host  # the default host, with fault lines added by name
 
 # Every holder preemptible: lets a state machine claim both tokens exclusively.
 ALL_PREEMPTIBLE = host_toml(dm_preemptible=True)
-
-# The same host again as data, for tests that change it key by key.
-DEVICE_TABLE: tuple[dict[str, Any], ...] = (
-    {
-        "address": "0000:0a:00.0",
-        "vendor": "10de",
-        "device": "2684",
-        "class": "030000",
-        "driver": "nvidia",
-        "iommu_group": 12,
-    },
-    {
-        "address": "0000:0a:00.1",
-        "vendor": "10de",
-        "device": "22ba",
-        "class": "040300",
-        "driver": "snd_hda_intel",
-        "iommu_group": 12,
-    },
-    {
-        "address": "0000:0b:00.0",
-        "vendor": "10de",
-        "device": "2204",
-        "class": "030000",
-        "driver": "nvidia",
-        "iommu_group": 13,
-    },
-)
-HOLDER_TABLE: tuple[dict[str, Any], ...] = (
-    {"kind": "container", "name": "llm", "tokens": ["gpu0"], "preemptible": True, "running": True},
-    {
-        "kind": "systemd",
-        "name": "ollama.service",
-        "tokens": ["gpu0"],
-        "preemptible": True,
-        "running": True,
-    },
-    {
-        "kind": "systemd",
-        "name": "display-manager.service",
-        "tokens": ["gpu1"],
-        "preemptible": False,
-        "running": True,
-    },
-)
-
-
-def describe_host(changes: Mapping[str, Mapping[str, Any]] | None = None) -> str:
-    """The default host as host.toml, with keys set per device address or holder
-    ref: `describe_host({"0000:0a:00.1": {"fail_switch": True}})`."""
-    changes = changes or {}
-    blocks = []
-    for table, items in (("devices", DEVICE_TABLE), ("holders", HOLDER_TABLE)):
-        for item in items:
-            key = item["address"] if table == "devices" else f"{item['kind']}:{item['name']}"
-            values = {**item, **changes.get(key, {})}
-            lines = [f"[[{table}]]"] + [
-                f"{name} = {_toml(value)}" for name, value in values.items()
-            ]
-            blocks.append("\n".join(lines))
-    return "\n\n".join(blocks) + "\n"
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml(item) for item in value) + "]"
-    return json.dumps(str(value))
 
 
 def bind_by_hand(sim_dir: Path, drivers: Mapping[str, str]) -> None:

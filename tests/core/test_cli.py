@@ -247,7 +247,7 @@ def test_a_lock_held_by_another_process_gives_ledger_busy_naming_its_pid(sim):
             "-c",
             "import sys, time\n"
             "from pathlib import Path\n"
-            "from charly_arbiter.ledger import Ledger\n"
+            "from charly_arbiter.core.ledger import Ledger\n"
             "with Ledger(Path(sys.argv[1])).transaction():\n"
             "    print('locked', flush=True)\n"
             "    time.sleep(60)\n",

@@ -58,12 +58,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import simhosts
 from coretools import REPO, ledger_bytes, read_ledger
 from invariants import HostFacts, assert_converged, sim_facts, violations
+from simhosts import audio, gpu, host
 
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Lease, LeaseState, LedgerState, Mode
-from charly_arbiter.simhost import SimHost
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Lease, LeaseState, LedgerState, Mode
+from charly_arbiter.host.sim import SimHost
 
 TOKENS = ("gpu0", "gpu1", "gpu2", "gpu3")
 TOKEN_FUNCTIONS = {
@@ -88,97 +90,21 @@ HOLDERS = (
     "systemd:train.service",
     "container:jupyter",
 )
-HOST = """
-[[devices]]
-address = "0000:0a:00.0"
-vendor = "10de"
-device = "2684"
-class = "030000"
-driver = "nvidia"
-iommu_group = 12
-
-[[devices]]
-address = "0000:0a:00.1"
-vendor = "10de"
-device = "22ba"
-class = "040300"
-driver = "snd_hda_intel"
-iommu_group = 12
-
-[[devices]]
-address = "0000:0b:00.0"
-vendor = "10de"
-device = "2204"
-class = "030000"
-driver = "nvidia"
-iommu_group = 13
-
-[[devices]]
-address = "0000:41:00.0"
-vendor = "1002"
-device = "744c"
-class = "030000"
-driver = "amdgpu"
-iommu_group = 20
-
-[[devices]]
-address = "0000:41:00.1"
-vendor = "1002"
-device = "ab30"
-class = "040300"
-driver = "snd_hda_intel"
-iommu_group = 20
-
-[[devices]]
-address = "0000:42:00.0"
-vendor = "10de"
-device = "2704"
-class = "030000"
-driver = "nvidia"
-iommu_group = 21
-
-[[holders]]
-kind = "container"
-name = "llm"
-tokens = ["gpu0"]
-preemptible = true
-running = true
-
-[[holders]]
-kind = "systemd"
-name = "ollama.service"
-tokens = ["gpu0", "gpu1"]
-preemptible = true
-running = true
-
-[[holders]]
-kind = "systemd"
-name = "display-manager.service"
-tokens = ["gpu1"]
-preemptible = true
-running = true
-
-[[holders]]
-kind = "container"
-name = "render"
-tokens = ["0000:41:00.1"]
-preemptible = true
-running = true
-
-[[holders]]
-kind = "systemd"
-name = "train.service"
-tokens = ["gpu2", "gpu3"]
-preemptible = true
-running = true
-
-[[holders]]
-kind = "container"
-name = "jupyter"
-tokens = ["gpu3"]
-preemptible = true
-running = true
-"""
+HOST = host(
+    gpu("0000:0a:00.0", group=12),
+    audio("0000:0a:00.1", group=12),
+    gpu("0000:0b:00.0", group=13, model="2204"),
+    gpu("0000:41:00.0", group=20, model="744c", driver="amdgpu", vendor="1002"),
+    audio("0000:41:00.1", group=20, model="ab30", vendor="1002"),
+    gpu("0000:42:00.0", group=21, model="2704"),
+    simhosts.holder("container", "llm", ["gpu0"], preemptible=True),
+    simhosts.holder("systemd", "ollama.service", ["gpu0", "gpu1"], preemptible=True),
+    simhosts.holder("systemd", "display-manager.service", ["gpu1"], preemptible=True),
+    # Named by its audio function's address: a holder of the whole token all the same.
+    simhosts.holder("container", "render", ["0000:41:00.1"], preemptible=True),
+    simhosts.holder("systemd", "train.service", ["gpu2", "gpu3"], preemptible=True),
+    simhosts.holder("container", "jupyter", ["gpu3"], preemptible=True),
+)
 CONFIG = """
 host = "sim:{sim}"
 state_dir = "{state}"

@@ -11,9 +11,9 @@ import random
 import pytest
 from coretools import host_state, ledger_bytes
 
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Mode
 from charly_arbiter.errors import LedgerCorrupt
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Mode
 
 
 def with_checksum(body: bytes) -> bytes:
@@ -196,7 +196,7 @@ def test_recover_says_where_the_host_disagrees_with_the_backup(sim):
 def test_recover_when_the_backup_is_corrupt_too(sim, good):
     path = sim.state_dir / "ledger.toml"
     backup = sim.state_dir / "ledger.toml.bak"
-    sim.host().switch(sim.arbiter().tokens()["gpu1"], {"0000:0b:00.0": "vfio-pci"})
+    sim.host().switch(sim.arbiter().tokens.all()["gpu1"], {"0000:0b:00.0": "vfio-pci"})
     path.write_bytes(b"")
     backup.write_bytes(good[:10])
     refused = sim.cli("acquire", "--shared", "container:third", "gpu0")

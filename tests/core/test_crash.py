@@ -14,7 +14,7 @@ import signal
 import pytest
 from coretools import HOLDER_REFS, HOME, assert_converged, host_state, ledger_bytes, read_ledger
 
-from charly_arbiter.model import LeaseState, Mode
+from charly_arbiter.core.model import LeaseState, Mode
 
 LEDGER_STEPS = (
     "ledger.open_temp",

@@ -10,9 +10,9 @@ import stat
 
 import pytest
 
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Lease, LeaseState, Mode
 from charly_arbiter.errors import LedgerWriteFailed
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Lease, LeaseState, Mode
 
 
 def lease(name: str) -> Lease:
@@ -99,7 +99,7 @@ def test_a_reader_overtaken_by_the_first_two_writes_does_not_call_the_ledger_cor
     """Seen in CI under 16 concurrent CLIs: a lock-free reader that found no ledger,
     then the first write and the first backup happened, must read an empty ledger,
     not report damage."""
-    from charly_arbiter.model import Poison
+    from charly_arbiter.core.model import Poison
 
     state_dir = tmp_path / "state"
     writer = Ledger(state_dir)

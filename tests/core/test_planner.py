@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from charly_arbiter.errors import ClaimRefused, TokenPoisoned
-from charly_arbiter.host import NO_DRIVER, Holder, PciFunction, TokenSpec
-from charly_arbiter.model import (
+from charly_arbiter.core.host import NO_DRIVER, Holder, PciFunction, TokenSpec
+from charly_arbiter.core.model import (
     VFIO,
     Lease,
     LeaseState,
@@ -18,7 +17,8 @@ from charly_arbiter.model import (
     StepState,
     StoppedHolder,
 )
-from charly_arbiter.planner import Policy, blocks_token, decide_claim, home_map
+from charly_arbiter.core.planner import Policy, blocks_token, decide_claim, home_map
+from charly_arbiter.errors import ClaimRefused, TokenPoisoned
 
 GPU0 = "0000:0a:00.0"
 AUDIO0 = "0000:0a:00.1"

@@ -8,8 +8,8 @@ import os
 
 from coretools import assert_converged, host_toml
 
-from charly_arbiter.arbiter import Arbiter
-from charly_arbiter.model import Mode
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.model import Mode
 
 
 def test_release_that_cannot_restart_a_holder_exits_1_and_keeps_the_lease(sim):

@@ -20,8 +20,8 @@ from coretools import (
     ledger_bytes,
 )
 
+from charly_arbiter.core.model import VFIO, LeaseState, Mode, StepState
 from charly_arbiter.errors import ClaimRefused, HolderError, SwitchFailed, TokenPoisoned
-from charly_arbiter.model import VFIO, LeaseState, Mode, StepState
 
 EXCL, SHARED = Mode.EXCLUSIVE, Mode.SHARED
 
@@ -73,7 +73,7 @@ def test_shared_refcount_first_switches_home_later_only_count(sim):
     sim.stopped("libvirt:a")
     arbiter.release_claimant("libvirt:a")
     # Put the GPU on vfio-pci with no lease, as a crashed tool would leave it.
-    sim.host().switch(arbiter.tokens()["gpu0"], {"0000:0a:00.0": VFIO, "0000:0a:00.1": VFIO})
+    sim.host().switch(arbiter.tokens.all()["gpu0"], {"0000:0a:00.0": VFIO, "0000:0a:00.1": VFIO})
     cdi_before = sim.host().snapshot()["cdi_generations"]
     first = arbiter.acquire("container:one", SHARED, ["gpu0"])
     assert {s.holder for s in first.stops} == {"container:llm", "systemd:ollama.service"}

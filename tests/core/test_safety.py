@@ -24,14 +24,15 @@ from coretools import (
     ledger_bytes,
     read_ledger,
 )
+from simhosts import device
 
-from charly_arbiter.arbiter import Arbiter
-from charly_arbiter.config import load_config
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.config import load_config
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import LeaseState, Mode, ProcessRef, StepState
 from charly_arbiter.errors import ClaimRefused
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import LeaseState, Mode, ProcessRef, StepState
-from charly_arbiter.procscan import process_ref
-from charly_arbiter.simhost import SimHost
+from charly_arbiter.host.procscan import process_ref
+from charly_arbiter.host.sim import SimHost
 
 PROC = Path("/proc")
 
@@ -146,7 +147,7 @@ def test_a_preempted_shared_claimant_is_not_reinstated_beside_a_new_exclusive_le
     arbiter.acquire("container:llm", Mode.SHARED, ["gpu0"])
     arbiter.acquire("libvirt:a", Mode.EXCLUSIVE, ["gpu0"])  # preempts container:llm
     sim.stopped("libvirt:a")
-    from charly_arbiter import crashpoints
+    from charly_arbiter.core import crashpoints
 
     def between(step: str) -> None:
         # After libvirt:a sent gpu0 home and before it brings container:llm back,
@@ -362,11 +363,10 @@ def test_a_host_that_cannot_pass_through_refuses_before_stopping_anything(sim, f
 
 
 def test_an_iommu_group_shared_with_another_device_is_refused(sim):
-    host = (sim.sim_dir / "host.toml").read_text()
-    sim.set_host(
-        host + '\n[[devices]]\naddress = "0000:0c:00.0"\nvendor = "8086"\ndevice = "1533"\n'
-        'class = "020000"\ndriver = "igb"\niommu_group = 12\n'
+    nic = device(
+        "0000:0c:00.0", vendor="8086", model="1533", pci_class="020000", driver="igb", group=12
     )
+    sim.set_host((sim.sim_dir / "host.toml").read_text() + "\n" + nic)
     before = host_state(sim)
     result = sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0")
     assert result.returncode == 3
@@ -408,3 +408,21 @@ def test_every_holder_stays_recorded_through_a_refused_claim(sim):
     )
     with pytest.raises(ClaimRefused):
         sim.arbiter().acquire("libvirt:other", Mode.EXCLUSIVE, ["gpu0"])
+
+
+def test_explain_never_speaks_of_pid_0(sim):
+    """Before: a release that could not finish left its lease with no writer, and
+    `explain` said "pid 0"."""
+    sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", check=True)
+    sim.set_host(
+        (sim.sim_dir / "host.toml")
+        .read_text()
+        .replace('name = "llm"\n', 'name = "llm"\nfail_start = true\n')
+    )
+    sim.stopped("libvirt:win11")
+    assert sim.cli("release", "libvirt:win11").returncode == 1  # container:llm did not start
+    lease = read_ledger(sim.state_dir).lease_of("libvirt:win11")
+    assert lease is not None and lease.owner is None
+    text = sim.cli("explain", "libvirt:win11").stdout
+    assert "stranded" in text and "restore libvirt:win11" in text
+    assert "pid 0" not in text and "process 0" not in text

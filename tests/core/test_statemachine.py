@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from coretools import HOLDER_REFS, HOME, bind_by_hand, describe_host, ledger_bytes
+from coretools import HOLDER_REFS, HOME, bind_by_hand, ledger_bytes
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -53,10 +53,13 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from invariants import assert_converged, assert_invariants, sim_facts
+from simhosts import audio, gpu, holder, host
 
-from charly_arbiter import crashpoints
-from charly_arbiter.arbiter import Arbiter
-from charly_arbiter.config import load_config
+from charly_arbiter.core import crashpoints
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.config import load_config
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import VFIO, LeaseState, LedgerState, Mode, ProcessRef, StepState
 from charly_arbiter.errors import (
     ClaimantRunning,
     ClaimRefused,
@@ -64,9 +67,7 @@ from charly_arbiter.errors import (
     SwitchFailed,
     TokenPoisoned,
 )
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import VFIO, LeaseState, LedgerState, Mode, ProcessRef, StepState
-from charly_arbiter.simhost import SimHost
+from charly_arbiter.host.sim import SimHost
 
 EXCLUSIVE, SHARED = Mode.EXCLUSIVE, Mode.SHARED
 ACQUIRING, ACTIVE, RELEASING = LeaseState.ACQUIRING, LeaseState.ACTIVE, LeaseState.RELEASING
@@ -143,16 +144,29 @@ class Faults:
         return any(address in TOKEN_FUNCTIONS[token] for address, _ in self.switch)
 
     def host_toml(self) -> str:
-        changes: dict[str, dict[str, Any]] = {}
-        for address, fault in self.switch:
-            changes.setdefault(address, {})[fault] = True
-        for ref in HOLDERS:
-            changes[ref] = {
-                "preemptible": ref not in self.rigid,
-                "fail_stop": ref in self.fail_stop,
-                "fail_start": ref in self.fail_start,
-            }
-        return describe_host(changes)
+        """tests/conftest.py's default host with these faults."""
+
+        def device(address: str) -> str:
+            return "".join(f"{fault} = true\n" for at, fault in self.switch if at == address)
+
+        def holding(ref: str) -> tuple[str, str, list[str]]:
+            kind, _, name = ref.partition(":")
+            return kind, name, [HOLDERS[ref]]
+
+        return host(
+            gpu("0000:0a:00.0", group=12, extra=device("0000:0a:00.0")),
+            audio("0000:0a:00.1", group=12, extra=device("0000:0a:00.1")),
+            gpu("0000:0b:00.0", group=13, model="2204", extra=device("0000:0b:00.0")),
+            *(
+                holder(
+                    *holding(ref),
+                    preemptible=ref not in self.rigid,
+                    extra=f"fail_stop = {str(ref in self.fail_stop).lower()}\n"
+                    f"fail_start = {str(ref in self.fail_start).lower()}",
+                )
+                for ref in HOLDERS
+            ),
+        )
 
 
 # -- the model -----------------------------------------------------------------------------
@@ -483,8 +497,8 @@ def model_acquire(run: Run, claimant: str, mode: Mode, tokens: tuple[str, ...]) 
             for record in other.records
             if record.holder in planned or (other.claimant, record.holder) in plan.taken
         ]
-        for holder in taken:
-            other = other.without_record(holder)
+        for ref in taken:
+            other = other.without_record(ref)
         if taken:
             world = world.put(other)
     records = [record for record in plan.inherited if record.holder not in planned]
@@ -609,21 +623,23 @@ def current_of(world: World, claimant: str) -> MLease:
 
 def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
     world = run.world
-    if current(run, claimant).mode is EXCLUSIVE and any(
-        current(run, claimant).holds(token) for token in uses(record)
-    ):
-        # This lease still holds the holder's GPU (its way home failed): the
-        # holder waits, and `restore` brings it back once the lease lets go.
+    lease = current(run, claimant)
+    others = [other for other in world.leases if other.claimant != claimant]
+    # Where an exclusive lease now holds one of its tokens, the holder stays
+    # stopped and that lease brings it back.  For a preempted shared claimant
+    # that is I1 (its lease may not come back beside an exclusive one): any
+    # exclusive lease that still holds the token counts, a releasing one too,
+    # and this very lease when its way home failed (it then waits for
+    # `restore`).  A plain holder is handed only to a lease that is not ending
+    # (I5 wants it running even beside a GPU poisoned on vfio-pci).
+    if record.shared and lease.mode is EXCLUSIVE and any(lease.holds(t) for t in uses(record)):
         return
-    others = [lease for lease in world.leases if lease.claimant != claimant]
-    # Its token is held exclusively now (I1: a shared claimant may not come back
-    # beside that lease, and a holder may not run on a GPU a VM holds): that
-    # lease brings it back when it lets go of the token, whatever its state.
     exclusive = [
         other.claimant
         for other in others
         if other.claimant != record.holder
         and other.mode is EXCLUSIVE
+        and (record.shared or other.state is not RELEASING)
         and any(other.holds(token) for token in uses(record))
     ]
     if exclusive:

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 from fakesys import FakeKernel, gpu_with_audio
 
-from charly_arbiter.config import Config, Timeouts, TokenConfig
-from charly_arbiter.holders import HolderRegistry
-from charly_arbiter.localhost import LocalHost
+from charly_arbiter.core.config import Config, Timeouts, TokenConfig
+from charly_arbiter.host.local import LocalHost
 
 GPU = "0000:0a:00.0"
 AUDIO = "0000:0a:00.1"
@@ -44,7 +43,7 @@ def make_host(tmp_path: Path, kernel: FakeKernel) -> Callable[..., LocalHost]:
             sys_root=kernel.sys,
             dev_root=kernel.dev,
             writer=kernel.write,
-            registry=HolderRegistry(config, kinds=()),
+            sources={},
             isolate_writes=isolate_writes,
         )
 

@@ -8,8 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Poison
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Poison
 
 REPO = Path(__file__).resolve().parents[2]
 

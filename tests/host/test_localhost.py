@@ -7,11 +7,11 @@ import time
 
 import pytest
 
-from charly_arbiter.arbiter import Arbiter
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.host import TokenSpec
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Mode
 from charly_arbiter.errors import ClaimRefused, HostError, SwitchFailed, SwitchHung
-from charly_arbiter.host import TokenSpec
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Mode
 
 GPU = "0000:0a:00.0"
 AUDIO = "0000:0a:00.1"
@@ -88,7 +88,7 @@ def test_switching_a_function_outside_the_token_is_refused(make_host):
 def commands(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     """Every command run through the one subprocess door (run.run), recorded, not run;
     `run.which` finds every program in /usr/bin (nvidia-ctk included)."""
-    from charly_arbiter import run
+    from charly_arbiter.host import run
 
     ran: list[list[str]] = []
 
@@ -113,13 +113,13 @@ def test_cdi_is_regenerated_only_once_the_gpu_is_back_on_nvidia(make_host, comma
 
 
 def test_cdi_regeneration_without_nvidia_ctk_logs_and_goes_on(make_host, caplog, monkeypatch):
-    from charly_arbiter import run
+    from charly_arbiter.host import run
 
     monkeypatch.setattr(run, "which", lambda program: None)
     monkeypatch.setattr(run, "run", lambda *args, **options: pytest.fail(f"ran {args}"))
     host = make_host()
     token = TokenSpec("gpu0", GPU, tuple(host.token_functions("gpu0", GPU)))
-    with caplog.at_level("INFO", logger="charly_arbiter.localhost"):
+    with caplog.at_level("INFO", logger="charly_arbiter.host.local"):
         host.regenerate_cdi(token)
     assert "nvidia-ctk is not installed" in caplog.text
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from fakesys import FakeDevice
 
-from charly_arbiter.detect import amd_gfx_targets, detect, document, render
-from charly_arbiter.nvml import Nvml, normalize_bus_id
+from charly_arbiter.host.detect import amd_gfx_targets, detect, document, render
+from charly_arbiter.host.nvml import Nvml, normalize_bus_id
 
 GPU = "0000:0a:00.0"
 
@@ -73,7 +73,7 @@ def test_switch_closes_nvml_before_the_first_write(make_host, kernel, monkeypatc
     host.sysfs.writer = lambda path, text: (events.append("write"), writer(path, text))[1]
     host.nvml.gpus()
     assert host.nvml.is_open
-    from charly_arbiter.host import TokenSpec
+    from charly_arbiter.core.host import TokenSpec
 
     functions = tuple(host.token_functions("gpu0", GPU))
     host.switch(TokenSpec("gpu0", GPU, functions), {GPU: "vfio-pci"})
@@ -131,7 +131,7 @@ def test_a_storage_controller_in_the_group_makes_it_not_viable(make_host, kernel
 
 def test_vfio_node_is_reported_once_the_gpu_is_on_vfio(make_host, kernel):
     host = make_host()
-    from charly_arbiter.host import TokenSpec
+    from charly_arbiter.core.host import TokenSpec
 
     functions = tuple(host.token_functions("gpu0", GPU))
     host.switch(TokenSpec("gpu0", GPU, functions), {f.address: "vfio-pci" for f in functions})

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from charly_arbiter.core.host import TokenSpec
 from charly_arbiter.errors import HolderError
-from charly_arbiter.holders.process import PERSISTENCED_UNIT, ProcessHolders
-from charly_arbiter.host import TokenSpec
-from charly_arbiter.procscan import alive, scan
+from charly_arbiter.host.holders.process import PERSISTENCED_UNIT, ProcessHolders
+from charly_arbiter.host.procscan import alive, scan
 
 GPU = "0000:0a:00.0"
 
@@ -125,7 +125,7 @@ def test_no_nodes_no_holders(make_host, kernel):
 
 
 def test_a_ref_of_another_kind_is_refused():
-    from charly_arbiter.config import Config
+    from charly_arbiter.core.config import Config
 
     with pytest.raises(HolderError):
         ProcessHolders(Config()).is_running("systemd:x.service")

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from fakesys import FakeKernel
 
+from charly_arbiter.core.host import NO_DRIVER
 from charly_arbiter.errors import HostError, InvalidAddress, SwitchFailed, SwitchHung
-from charly_arbiter.host import NO_DRIVER
-from charly_arbiter.sysfs import Switcher, Sysfs
+from charly_arbiter.host.sysfs import Switcher, Sysfs
 
 GPU = "0000:0a:00.0"
 AUDIO = "0000:0a:00.1"
@@ -148,7 +148,7 @@ def write_syscalls() -> int:
 
 def test_real_writer_writes_once(tmp_path):
     """The kernel's store functions see each write(2) as a whole value: one call, all of it."""
-    from charly_arbiter.sysfs import write_attribute
+    from charly_arbiter.host.sysfs import write_attribute
 
     target = tmp_path / "attr"
     target.write_text("")
@@ -160,7 +160,7 @@ def test_real_writer_writes_once(tmp_path):
 
 def test_real_writer_never_creates_an_attribute(tmp_path):
     """A missing attribute is an error (an old kernel, a driver not loaded), not a new file."""
-    from charly_arbiter.sysfs import write_attribute
+    from charly_arbiter.host.sysfs import write_attribute
 
     with pytest.raises(FileNotFoundError):
         write_attribute(tmp_path / "driver_override", "vfio-pci\n")
@@ -189,7 +189,7 @@ def test_the_watchdog_thread_is_abandoned_not_joined(kernel):
 
 
 def test_child_writer_writes_in_one_reused_helper_and_reports_its_errno(tmp_path):
-    from charly_arbiter.childwrite import ChildWriter
+    from charly_arbiter.host.blocking import ChildWriter
 
     def record(path: Path, text: str) -> None:
         if text == "busy":
@@ -215,7 +215,7 @@ def test_child_writer_writes_in_one_reused_helper_and_reports_its_errno(tmp_path
 
 
 def test_a_dead_helper_is_reported_and_replaced(tmp_path):
-    from charly_arbiter.childwrite import ChildWriter
+    from charly_arbiter.host.blocking import ChildWriter
 
     def record(path: Path, text: str) -> None:
         if text == "die":

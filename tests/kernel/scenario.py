@@ -175,7 +175,7 @@ def scenario_holder_terminated_then_release(out: dict[str, Any]) -> None:
             "card0_exists": Path("/dev/dri/card0").exists(),
             "status": status(config),
         }
-        result = cli(config, "release", f"process:{claimant.pid}")
+        result = cli(config, "release", "--force", f"process:{claimant.pid}")
         out["released"] = {
             **result,
             "drivers": drivers(),
@@ -199,7 +199,7 @@ def scenario_failed_switch_poisons(out: dict[str, Any], kernel_root: str) -> Non
     try:
         acquired = cli(config, "acquire", "--exclusive", f"process:{claimant.pid}", "gpu")
         rmmod = subprocess.run(["/sbin/rmmod", "snd_hda_intel"], capture_output=True, text=True)
-        result = cli(config, "release", f"process:{claimant.pid}")
+        result = cli(config, "release", "--force", f"process:{claimant.pid}")
         out["failed_switch"] = {
             **result,
             "acquire_rc": acquired["rc"],
@@ -252,7 +252,7 @@ def scenario_hung_switch_poisons(out: dict[str, Any]) -> None:
         record["vm_opened_device"] = wait_for(ready.exists, 30)
         started = time.monotonic()
         release = subprocess.Popen(
-            cli_argv(config, "release", f"process:{vm.pid}"),
+            cli_argv(config, "release", "--force", f"process:{vm.pid}"),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -285,7 +285,7 @@ def scenario_hung_switch_poisons(out: dict[str, Any]) -> None:
 
 def poison_reasons(name: str) -> dict[str, str]:
     """Read the ledger the way `status` does, without starting another interpreter."""
-    from charly_arbiter.ledger import Ledger
+    from charly_arbiter.core.ledger import Ledger
 
     reading = Ledger(Path("/run") / f"state-{name}").inspect()
     if reading.state is None:
@@ -319,11 +319,11 @@ def bench(out: dict[str, Any], cycles: int, block: int = 5) -> None:
     /proc holder scan, the holder sources) around the same switch.
     """
     sys.path.insert(0, str(REPO))
-    from charly_arbiter.arbiter import Arbiter
-    from charly_arbiter.config import load_config
-    from charly_arbiter.ledger import Ledger
-    from charly_arbiter.localhost import LocalHost
-    from charly_arbiter.model import Mode
+    from charly_arbiter.core.arbiter import Arbiter
+    from charly_arbiter.core.config import load_config
+    from charly_arbiter.core.ledger import Ledger
+    from charly_arbiter.core.model import Mode
+    from charly_arbiter.host.local import LocalHost
 
     script = Path("/run/bare.sh")
     script.write_text(
@@ -332,7 +332,7 @@ def bench(out: dict[str, Any], cycles: int, block: int = 5) -> None:
     config = load_config(make_config("bench"), environ={})
     host = LocalHost(config)
     arbiter = Arbiter(config, host, Ledger(config.state_dir, 30))
-    token = arbiter.tokens()["gpu"]
+    token = arbiter.tokens.all()["gpu"]
     to_vfio = {GPU: "vfio-pci", AUDIO: "vfio-pci"}
     claimant = sleeper()
     ref = f"process:{claimant.pid}"

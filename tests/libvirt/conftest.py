@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from simhosts import audio, gpu, host
 
 REPO = Path(__file__).resolve().parents[2]
 LOCK = Path("/tmp/charly-libvirt.lock")
@@ -59,35 +60,14 @@ PROGRAMS = {
 }
 INSTALLED = os.environ.get("CHARLY_ARBITER_E2E_INSTALLED") == "1"
 
-HOST_TOML = """
-# PCI side simulated, libvirt domains real.
-real_holders = ["libvirt"]
-
-[[devices]]
-address = "0000:0a:00.0"
-vendor = "10de"
-device = "2684"
-class = "030000"
-driver = "nvidia"
-iommu_group = 12
-
-[[devices]]
-address = "0000:0a:00.1"
-vendor = "10de"
-device = "22ba"
-class = "040300"
-driver = "snd_hda_intel"
-iommu_group = 12
-
-# Starts on vfio-pci: a shared claim sends it home first.
-[[devices]]
-address = "0000:0b:00.0"
-vendor = "10de"
-device = "2204"
-class = "030000"
-driver = "vfio-pci"
-iommu_group = 13
-"""
+# PCI side simulated, libvirt domains real; gpu1 starts on vfio-pci (a shared
+# claim sends it home first).
+HOST_TOML = host(
+    gpu("0000:0a:00.0", group=12),
+    audio("0000:0a:00.1", group=12),
+    gpu("0000:0b:00.0", group=13, model="2204", driver="vfio-pci"),
+    real_holders=["libvirt"],
+)
 
 CONFIG = """
 host = "sim:{sim}"
@@ -242,9 +222,9 @@ class Libvirt:
         (STATE_DIR/libvirt-hooks, libvirt-acting); a lease mid-step whose owner
         lives; a test domain between "running" and "shut off".
         """
-        from charly_arbiter.hook import DETACHED
-        from charly_arbiter.ledger import Ledger
-        from charly_arbiter.model import LeaseState
+        from charly_arbiter.core.ledger import Ledger
+        from charly_arbiter.core.model import LeaseState
+        from charly_arbiter.libvirt.hookrun import DETACHED
 
         found = []
         state_dir = str(self.state_dir).encode()

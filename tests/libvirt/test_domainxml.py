@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from charly_arbiter.domainxml import (
+from charly_arbiter.core.model import Mode
+from charly_arbiter.libvirt.domainxml import (
     MAX_XML_BYTES,
     NAMESPACE,
     DomainXMLError,
     mdev_parent,
-    might_claim,
     parse_domain,
     resolve_claim,
 )
-from charly_arbiter.model import Mode
+from charly_arbiter.libvirt.hook import CLAIM_MARKERS
 
 OWNER = {"0000:0a:00.0": "gpu0", "0000:0a:00.1": "gpu0", "0000:0b:00.0": "gpu1"}
 UUID = "4b20d080-1b54-4048-85b3-a6a62d165c01"
@@ -117,10 +117,16 @@ def test_unsafe_or_malformed_xml_is_refused_with_the_reason(xml: bytes, why: str
         parse_domain(xml, "vm")
 
 
+def might_claim(xml: bytes) -> bool:
+    """The hook's byte scan (libvirt/hook.py), which clears a domain before any parse."""
+    return any(marker in xml for marker in CLAIM_MARKERS)
+
+
 def test_byte_scan_clears_domains_that_cannot_claim() -> None:
     assert not might_claim(domain())
     assert might_claim(domain(pci("0x0a")))
     assert might_claim(domain(metadata=element()))
+    assert not parse_domain(domain(), "vm").mentions_gpus
 
 
 def test_mdev_parent_is_read_from_sysfs(tmp_path: Path) -> None:

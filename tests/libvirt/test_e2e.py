@@ -273,7 +273,7 @@ LAUGHS = b"""<?xml version="1.0"?><!DOCTYPE d [<!ENTITY a "aaaaaaaaaa">
         ),
         pytest.param(
             ["qemu", "vm", "prepare", "begin", "-"],
-            b"<hostdev>" * 200_000,
+            b"<hostdev>" * 2_000_000,  # above the hook's 16 MiB bound
             1,
             "larger than",
             id="huge-prepare",

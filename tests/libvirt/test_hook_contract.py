@@ -21,9 +21,10 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 import pytest
+from simhosts import gpu
 
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Lease
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Lease
 from tests.conftest import DEFAULT_CONFIG, DEFAULT_HOST, SimEnv
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,18 +34,7 @@ ADDRESSES = {"gpu0": "0000:0a:00.0", "gpu1": "0000:0b:00.0", "gpu2": "0000:0c:00
 # The default host (gpu0 with preemptible holders, gpu1 with a display manager that
 # may not be stopped) plus gpu2, which nothing holds: claiming and releasing it
 # stops nothing, so its release finishes inside the hook.
-HOST = (
-    DEFAULT_HOST
-    + """
-[[devices]]
-address = "0000:0c:00.0"
-vendor = "10de"
-device = "2204"
-class = "030000"
-driver = "nvidia"
-iommu_group = 14
-"""
-)
+HOST = DEFAULT_HOST + "\n" + gpu("0000:0c:00.0", group=14, model="2204")
 CONFIG = (
     DEFAULT_CONFIG
     + """

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from charly_arbiter.config import Config, HolderConfig, Timeouts
+from charly_arbiter.core.config import Config, HolderConfig, Timeouts
+from charly_arbiter.core.host import PciFunction, TokenSpec
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState, StoppedHolder
 from charly_arbiter.errors import HolderError
-from charly_arbiter.holders.libvirt import ENV_HOOK_GUEST, LibvirtHolders, is_acting
-from charly_arbiter.host import PciFunction, TokenSpec
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import Lease, LeaseState, Mode
+from charly_arbiter.host.markers import is_acting
+from charly_arbiter.libvirt.domains import LibvirtHolders
 
 libvirt = pytest.importorskip("libvirt")
 
@@ -56,7 +57,7 @@ def config(tmp_path: Path) -> Config:
 
 
 def test_domains_using_a_token_are_holders_by_the_xml_rules(config: Config) -> None:
-    source = LibvirtHolders(config, environ={})
+    source = LibvirtHolders(config)
     found = {holder.ref: holder for holder in source.holders([GPU0])}
     assert set(found) == {"libvirt:holder", "libvirt:passthrough", "libvirt:listed"}
     assert found["libvirt:holder"].preemptible
@@ -68,7 +69,7 @@ def test_domains_using_a_token_are_holders_by_the_xml_rules(config: Config) -> N
 
 
 def test_managedsave_stop_and_start_restores_the_image(config: Config) -> None:
-    source = LibvirtHolders(config, environ={})
+    source = LibvirtHolders(config)
     source.holders([GPU0])
     source.stop("libvirt:holder")
     assert not source.is_running("libvirt:holder")
@@ -80,7 +81,7 @@ def test_managedsave_stop_and_start_restores_the_image(config: Config) -> None:
 
 
 def test_shutdown_stop_and_unknown_domain(config: Config) -> None:
-    source = LibvirtHolders(config, environ={})
+    source = LibvirtHolders(config)
     source.stop("libvirt:listed")
     assert not source.is_running("libvirt:listed")
     assert not source.is_running("libvirt:nosuchvm")
@@ -88,13 +89,37 @@ def test_shutdown_stop_and_unknown_domain(config: Config) -> None:
         source.start("libvirt:nosuchvm")
 
 
-def test_in_a_hook_the_own_domain_is_never_touched_nor_enumerated(config: Config) -> None:
-    """In a hook, candidates come from the ledger and the configuration only."""
+def stopped_for(config: Config, holder: str) -> None:
+    """A lease of another claimant that records `holder` as stopped for it."""
+    record = StoppedHolder(holder, StepState.DONE, tokens=("gpu0",))
     with Ledger(config.state_dir).transaction() as txn:
         txn.state = txn.state.with_lease(
-            Lease("libvirt:holder", Mode.SHARED, ("gpu0",), LeaseState.ACTIVE, False, "b", "t")
+            Lease(
+                "libvirt:other",
+                Mode.EXCLUSIVE,
+                ("gpu0",),
+                LeaseState.ACTIVE,
+                False,
+                "b",
+                "t",
+                stopped=(record,),
+            )
         )
-    source = LibvirtHolders(config, environ={ENV_HOOK_GUEST: "passthrough"})
+
+
+def test_in_a_hook_the_own_domain_is_never_touched_nor_enumerated(config: Config) -> None:
+    """In a hook, candidates come from the ledger and the configuration only: the
+    holders the ledger records as stopped and the claimants of active leases, never
+    the claimant of an unfinished lease (it may be locked by its own pending hook)."""
+    with Ledger(config.state_dir).transaction() as txn:
+        txn.state = txn.state.with_lease(
+            Lease("libvirt:holder", Mode.SHARED, ("gpu0",), LeaseState.RELEASING, False, "b", "t")
+        )
+    source = LibvirtHolders(config, subject="passthrough")
+    assert {holder.ref for holder in source.holders([GPU0])} == {"libvirt:listed"}
+    with Ledger(config.state_dir).transaction() as txn:
+        txn.state = txn.state.without_lease("libvirt:holder")
+    stopped_for(config, "libvirt:holder")
     refs = {holder.ref for holder in source.holders([GPU0])}
     assert refs == {"libvirt:holder", "libvirt:listed"}  # bystander and itself not asked
     assert source.is_running("libvirt:passthrough")
@@ -104,7 +129,7 @@ def test_in_a_hook_the_own_domain_is_never_touched_nor_enumerated(config: Config
 
 
 def test_stop_marks_the_domain_as_acted_on_for_its_own_hook(config: Config) -> None:
-    source = LibvirtHolders(config, environ={})
+    source = LibvirtHolders(config)
     assert not is_acting(config.state_dir, "libvirt:holder")
     with source.acting("libvirt:holder"):
         assert is_acting(config.state_dir, "libvirt:holder")
@@ -126,20 +151,17 @@ def test_with_libvirtd_unreachable_liveness_comes_from_qemu_processes(
         libvirt_uri="qemu+unix:///system?socket=/nonexistent/libvirt-sock",
         timeouts=config.timeouts,
     )
-    source = LibvirtHolders(down, environ={}, proc_root=proc)
+    source = LibvirtHolders(down, proc_root=proc)
     assert source.is_running("libvirt:win,11")
     assert not source.is_running("libvirt:win")
 
 
 def test_a_domain_whose_hook_runs_is_never_looked_up(config: Config) -> None:
     """libvirt locks a domain while its hook runs: others take it as alive and leave it be."""
-    from charly_arbiter.holders.libvirt import HOOK_DIR, in_hook, marked
+    from charly_arbiter.host.markers import HOOK_DIR, in_hook, marked
 
-    with Ledger(config.state_dir).transaction() as txn:
-        txn.state = txn.state.with_lease(
-            Lease("libvirt:holder", Mode.SHARED, ("gpu0",), LeaseState.ACTIVE, False, "b", "t")
-        )
-    source = LibvirtHolders(config, environ={ENV_HOOK_GUEST: "passthrough"})
+    stopped_for(config, "libvirt:holder")
+    source = LibvirtHolders(config, subject="passthrough")
     with marked(config.state_dir, HOOK_DIR, "libvirt:listed"):
         assert in_hook(config.state_dir, "libvirt:listed")
         source.stop("libvirt:holder")  # not in a hook: stopped

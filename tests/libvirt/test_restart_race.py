@@ -24,8 +24,8 @@ import time
 
 import pytest
 
-from charly_arbiter.ledger import Ledger
-from charly_arbiter.model import VFIO, LeaseState, LedgerState, Mode
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import VFIO, LeaseState, LedgerState, Mode
 from tests.invariants import HostFacts, assert_converged, violations
 from tests.libvirt.conftest import PROGRAMS, URI, Libvirt, claim, log
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from charly_arbiter.config import Config, HolderConfig, Timeouts
+from charly_arbiter.core.config import Config, HolderConfig, Timeouts
+from charly_arbiter.core.host import TokenSpec
 from charly_arbiter.errors import HolderError
-from charly_arbiter.holders.container import ContainerHolders
-from charly_arbiter.holders.systemd import SystemdHolders
-from charly_arbiter.host import TokenSpec
+from charly_arbiter.host.holders.container import ContainerHolders
+from charly_arbiter.host.holders.systemd import SystemdHolders
 
 FAKE = """#!/bin/sh
 # Records its argv, one per line, then acts on STATE/<last argument>.
@@ -103,7 +103,7 @@ def test_container_holder_through_its_runtime(fake: tuple[str, Path, Path]) -> N
 
 
 def test_missing_runtime_is_reported() -> None:
-    from charly_arbiter import run
+    from charly_arbiter.host import run
 
     if run.which("podman"):
         pytest.skip("podman is installed here")

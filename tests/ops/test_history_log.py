@@ -16,12 +16,12 @@ import pytest
 from opstools import REPO
 
 from charly_arbiter.errors import ArbiterError
-from charly_arbiter.history import HistoryLog, Record, interrupted, parse_since, select
+from charly_arbiter.ops.history import HistoryLog, Record, interrupted, parse_since, select
 
 WRITER = """
 import sys
 from pathlib import Path
-from charly_arbiter.history import HistoryLog
+from charly_arbiter.ops.history import HistoryLog
 log = HistoryLog(Path(sys.argv[1]), max_bytes=int(sys.argv[2]), keep=int(sys.argv[3]))
 for n in range(int(sys.argv[4])):
     log.append("claim", {"claimant": f"libvirt:{sys.argv[5]}", "token": "gpu0", "n": n})

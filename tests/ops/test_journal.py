@@ -11,7 +11,7 @@ import socket
 import pytest
 from opstools import decode_journal
 
-from charly_arbiter.journal import JournalSink
+from charly_arbiter.ops.journal import JournalSink
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_no_socket_means_nothing_is_sent_and_nothing_fails(tmp_path, caplog):
     """Without journald there is no attempt to send (the attempt would fail and be
     logged) and nothing is created in the socket's place."""
     path = tmp_path / "absent.socket"
-    with caplog.at_level("DEBUG", logger="charly_arbiter.journal"):
+    with caplog.at_level("DEBUG", logger="charly_arbiter.ops.journal"):
         JournalSink(path)("claim", {"claimant": "libvirt:a", "token": "gpu0"})
     assert caplog.records == []
     assert list(tmp_path.iterdir()) == []
@@ -70,7 +70,7 @@ def test_a_journal_that_went_away_is_logged_not_raised(journal, caplog):
     from the history, so the sink logs it at debug level and the claim goes on."""
     path, receiver = journal
     receiver.close()  # the file stays, nobody listens: sendto fails (ECONNREFUSED)
-    with caplog.at_level("DEBUG", logger="charly_arbiter.journal"):
+    with caplog.at_level("DEBUG", logger="charly_arbiter.ops.journal"):
         JournalSink(path)("claim", {"claimant": "libvirt:a", "token": "gpu0"})
     assert [record.levelname for record in caplog.records] == ["DEBUG"]
     assert "could not send event claim" in caplog.text

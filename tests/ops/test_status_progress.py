@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from opstools import assert_golden, normalise, run_in_pty
 
 from charly_arbiter.cli.status import render
-from charly_arbiter.progress import Progress
+from charly_arbiter.ops.progress import Progress
 
 ANSI = "\x1b["
 

@@ -106,10 +106,14 @@ def test_purge_keeps_the_ledger_while_a_lease_is_active(chroot: Chroot, deb: Deb
     assert "holds active leases" in output, "prerm must warn that leases stay active"
     assert not os.path.lexists(chroot.path(HOOK))
     assert not chroot.path(CONFIG).exists(), "purge must remove the configuration"
+    # ...but the configuration the kept leases refer to stays beside them (issue 9).
+    saved = chroot.path(f"{STATE_DIR}/arbiter.toml.saved")
+    assert saved.is_file(), "purge kept the leases but lost the configuration they name"
+    assert f"kept as {STATE_DIR}/arbiter.toml.saved" in output, output
 
     # Reinstalled, the program releases the lease; now purge removes the state.
     chroot.install(deb)
-    chroot.run(*claim, "release", "libvirt:win11")
+    chroot.run(*claim, "release", "--force", "libvirt:win11")
     output = chroot.apt("purge", "charly-arbiter").stdout
     assert not chroot.path(STATE_DIR).exists(), f"purge with no lease kept {STATE_DIR}:\n{output}"
     assert not os.path.lexists(chroot.path(HOOK))

@@ -1,0 +1,470 @@
+"""Carrying out plans: acquire, release and restore, through an intent journal.
+
+Each operation commits its intent to the ledger first (a lease in state
+`acquiring` or `releasing`, listing what will be stopped and switched), lets
+go of the lock, acts on the host, and records each step's outcome in its own
+small transaction.  The lock is never held while the host is busy (stopping a
+VM runs that VM's own hook, which calls back in here), and a crash at any
+point leaves enough on disk for `restore` to converge.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from charly_arbiter.core.config import Config
+from charly_arbiter.core.crashpoints import crashpoint
+from charly_arbiter.core.events import Events, drivers_label
+from charly_arbiter.core.host import Blocker, Holder, Host, TokenSpec
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.liveness import claimant_liveness, stranded_claimants
+from charly_arbiter.core.model import (
+    Claimant,
+    Lease,
+    LeaseState,
+    LedgerState,
+    Mode,
+    ProcessRef,
+    StepState,
+    StoppedHolder,
+    now,
+)
+from charly_arbiter.core.planner import (
+    NO_POLICY,
+    ClaimPlan,
+    Policy,
+    blocks_token,
+    decide_claim,
+)
+from charly_arbiter.core.releasing import Releaser
+from charly_arbiter.core.switching import Switching
+from charly_arbiter.core.tokens import TokenCatalogue
+from charly_arbiter.errors import (
+    ArbiterError,
+    ClaimantRunning,
+    ClaimRefused,
+)
+
+log = logging.getLogger(__name__)
+
+RETRY_INTERVAL = 0.1  # seconds between tries of a claim that waits for a release
+
+
+@dataclass(frozen=True)
+class TokenStatus:
+    name: str
+    address: str
+    mode: str  # exclusive, shared or idle
+    drivers: tuple[tuple[str, str | None], ...]
+    poisoned: bool
+    reason: str
+    since: str
+    claimants: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Status:
+    leases: tuple[Lease, ...]
+    tokens: tuple[TokenStatus, ...]
+    stranded: tuple[str, ...]
+    generation: int
+    corrupt: str | None = None
+
+
+class Arbiter:
+    def __init__(
+        self,
+        config: Config,
+        host: Host,
+        ledger: Ledger,
+        events: Events | None = None,
+        owner: ProcessRef | None = None,
+    ) -> None:
+        self.config = config
+        self.host = host
+        self.ledger = ledger
+        self.events = events or Events()
+        # Written into in-progress leases; `restore` treats them as stranded
+        # once this very process (pid and start time) is gone.
+        self.owner = owner or host.current_process()
+        self.tokens = TokenCatalogue(config, host)
+        self.switching = Switching(host, ledger, self.events)
+
+    def releaser(self) -> Releaser:
+        """The release steps, over this arbiter's ledger, host, tokens and identity."""
+        return Releaser(
+            self.ledger, self.host, self.events, self.tokens, self.switching, self.owner
+        )
+
+    # -- deciding ------------------------------------------------------------------
+
+    def plan(
+        self,
+        claimant: str,
+        mode: Mode,
+        token_names: Sequence[str],
+        *,
+        transient: bool = False,
+        policy: Policy = NO_POLICY,
+    ) -> ClaimPlan:
+        """Decide a claim against the live host and ledger, changing nothing."""
+        ref = Claimant.parse(claimant)
+        tokens = self.tokens.reread(token_names)
+        holders = self.host.holders(tokens)
+        state = self.ledger.read()
+        boot_id = self.host.boot_id()
+        return decide_claim(
+            state,
+            ref,
+            mode,
+            tokens,
+            holders,
+            self._stranded_unlocked(state, boot_id),
+            transient=transient,
+            policy=policy,
+            boot_id=boot_id,
+            blockers=self._blockers(mode, tokens),
+        )
+
+    def _blockers(self, mode: Mode, tokens: Sequence[TokenSpec]) -> dict[str, Blocker]:
+        if mode is not Mode.EXCLUSIVE:
+            return {}
+        found = {token.name: self.host.passthrough_blocker(token) for token in tokens}
+        return {name: blocker for name, blocker in found.items() if blocker is not None}
+
+    # -- acquiring ---------------------------------------------------------------
+
+    def acquire(
+        self,
+        claimant: str,
+        mode: Mode,
+        token_names: Sequence[str],
+        *,
+        transient: bool = False,
+        policy: Policy = NO_POLICY,
+        wait: float | None = None,
+    ) -> ClaimPlan:
+        """Claim the tokens, stopping what must make room, or raise why not.
+
+        A refusal that an operation under way will lift (this claimant's
+        previous lease still being released, a holder being started again) is
+        retried for up to `wait` seconds (default `timeouts.claim_wait`): a VM
+        destroyed and started at once waits for its own release instead of
+        being refused or, worse, finding its old lease and starting without one.
+        """
+        ref = Claimant.parse(claimant)
+        limit = self.config.timeouts.claim_wait if wait is None else wait
+        deadline = time.monotonic() + limit
+        tokens = self.tokens.reread(token_names)
+        while True:
+            try:
+                return self._acquire_once(ref, mode, tokens, transient, policy)
+            except ClaimRefused as refusal:
+                if not refusal.retry or time.monotonic() >= deadline:
+                    self.events.emit(
+                        "refused", claimant=ref, token=",".join(token_names), why=str(refusal)
+                    )
+                    raise
+                log.info("%s: %s; waiting", ref, refusal.why)
+            time.sleep(RETRY_INTERVAL)
+            tokens = self.tokens.reread(token_names)  # drivers may have moved meanwhile
+
+    def _acquire_once(
+        self,
+        claimant: Claimant,
+        mode: Mode,
+        tokens: Sequence[TokenSpec],
+        transient: bool,
+        policy: Policy,
+    ) -> ClaimPlan:
+        by_name = {token.name: token for token in tokens}
+        # Outside the lock: these may ask libvirt, whose hooks call back in here.
+        seen = self.ledger.read()
+        holders = self.host.holders(tokens)
+        blockers = self._blockers(mode, tokens)
+        boot_id = self.host.boot_id()
+        alive = claimant_liveness(self.host, seen, boot_id)
+        with self.ledger.transaction() as txn:
+            _refuse_if_holders_came_back(seen, txn.state, holders, claimant, tokens)
+            stranded = self._stranded_unlocked(txn.state, boot_id, alive)
+            plan = decide_claim(
+                txn.state,
+                claimant,
+                mode,
+                tokens,
+                holders,
+                stranded,
+                transient=transient,
+                policy=policy,
+                boot_id=boot_id,
+                blockers=blockers,
+            )
+            if plan.already_held:
+                own = txn.state.lease_of(claimant)
+                if own is not None and claimant in stranded:
+                    # The claimant is starting again (a VM restarted without its
+                    # release hook): its grace period starts over.
+                    txn.state = txn.state.with_lease(replace(own, created=now()))
+                return plan
+            txn.state = self._intent_unlocked(txn.state, plan, boot_id)
+        self.events.emit("claim", claimant=claimant, token=",".join(plan.tokens), mode=str(mode))
+        crashpoint("acquire.intent")
+        try:
+            self._stop_holders(claimant, plan)
+            self._switch_tokens(claimant, plan, by_name)
+        except Exception as error:
+            # Any failure after the first side effect is undone, not only the
+            # arbiter's own errors: a holder must never stay stopped for nothing.
+            log.error("%s: claim failed, undoing it: %s", claimant, error)
+            self.events.emit(
+                "failed", claimant=claimant, token=",".join(plan.tokens), why=str(error)
+            )
+            try:
+                self.releaser().finish(claimant, success=False, reason=str(error))
+            except ArbiterError as undo_error:
+                log.error("%s: undoing the claim failed too: %s", claimant, undo_error)
+            raise
+        for name in plan.cdi_tokens:
+            self.switching.regenerate_cdi(by_name[name])
+        with self.ledger.transaction() as txn:
+            lease = txn.state.lease_of(claimant)
+            if lease is not None:
+                # `created` restarts here: claim_grace counts from the moment the
+                # claimant may start, not from the intent (stopping holders takes time).
+                txn.state = txn.state.with_lease(
+                    replace(lease, state=LeaseState.ACTIVE, created=now()).owned_by(None)
+                )
+        self.events.emit("active", claimant=claimant, token=",".join(plan.tokens), mode=str(mode))
+        crashpoint("acquire.active")
+        return plan
+
+    def _intent_unlocked(self, state: LedgerState, plan: ClaimPlan, boot_id: str) -> LedgerState:
+        for token, home in plan.homes.items():
+            if not state.home_of(token):
+                state = state.with_home(token, dict(home))
+        for preempted in plan.preempted_leases:
+            state = state.without_lease(preempted)
+        # A holder is recorded once: a stop planned now supersedes an inherited
+        # record of it (one whose stop never happened before a crash).
+        planned = {step.holder for step in plan.stops}
+        stopped = [record for record in plan.inherited if record.holder not in planned]
+        # A holder this claim stops, or takes over from a releasing lease, is its
+        # to bring back: no other lease may still list it.
+        taken_over = set(plan.taken_over)
+        for other in state.leases:
+            taken = [
+                r
+                for r in other.unrestored()
+                if r.holder in planned or (other.claimant, r.holder) in taken_over
+            ]
+            for record in taken:
+                other = other.with_stopped(replace(record, restored=True))
+            if taken:
+                state = state.with_lease(other)
+        stopped += [
+            StoppedHolder(s.holder, StepState.PLANNED, s.shared_tokens, tokens=s.tokens)
+            for s in plan.stops
+        ]
+        lease = Lease(
+            claimant=plan.claimant,
+            mode=plan.mode,
+            tokens=plan.tokens,
+            state=LeaseState.ACQUIRING,
+            transient=plan.transient,
+            boot_id=boot_id,
+            created=now(),
+            stopped=tuple(stopped),
+            switched=tuple(sorted((t, StepState.PLANNED) for t in plan.switched_tokens)),
+        ).owned_by(self.owner)
+        return state.with_lease(lease)
+
+    def _stop_holders(self, claimant: Claimant, plan: ClaimPlan) -> None:
+        for step in plan.stops:
+            self.events.emit("stopping", claimant=claimant, holder=step.holder, how=step.how)
+            crashpoint("acquire.stop")
+            if self.host.is_running(step.holder):
+                log.info("%s: stopping %s (%s)", claimant, step.holder, step.how)
+                self.host.stop(step.holder)
+            self._record_stop(claimant, step.holder, StepState.DONE)
+            self.events.emit("preempted", claimant=claimant, holder=step.holder, how=step.how)
+
+    def _record_stop(self, claimant: Claimant, holder: Claimant, step: StepState) -> None:
+        with self.ledger.transaction() as txn:
+            lease = txn.state.lease_of(claimant)
+            if lease is not None:
+                record = next(r for r in lease.stopped if r.holder == holder)
+                txn.state = txn.state.with_lease(lease.with_stopped(replace(record, state=step)))
+
+    def _switch_tokens(
+        self, claimant: Claimant, plan: ClaimPlan, by_name: dict[str, TokenSpec]
+    ) -> None:
+        for token in plan.switched_tokens:
+            targets = {s.address: s.to_driver for s in plan.switches if s.token == token}
+            self.events.emit(
+                "switching", claimant=claimant, token=token, driver=drivers_label(targets)
+            )
+            crashpoint("acquire.switch")
+            self.switching.switch(by_name[token], targets, claimant)
+            with self.ledger.transaction() as txn:
+                lease = txn.state.lease_of(claimant)
+                if lease is not None:
+                    txn.state = txn.state.with_lease(lease.with_switch(token, StepState.DONE))
+
+    # -- releasing ---------------------------------------------------------------
+
+    def release_claimant(
+        self, claimant: str, success: bool = True, reason: str = "", *, force: bool = False
+    ) -> bool:
+        """Remove the claimant's lease; the last lease on a token sends it home and
+        brings back what was stopped for it.  Returns False when there was no lease.
+
+        A claimant that still runs is refused (`ClaimantRunning`) unless `force`:
+        its GPU would go home under it.  The hooks pass `force`, since libvirt or
+        the runtime has just told them the claimant stopped.  Failures restoring
+        holders are logged and leave the lease for `restore`; this never raises
+        for them, because it runs when a VM stops.
+        """
+        return self.releaser().release_claimant(claimant, success, reason, force=force)
+
+    # -- restore, status, poison ------------------------------------------------------
+
+    def restore(
+        self, claimants: Sequence[str] | None = None, dry_run: bool = False, *, force: bool = False
+    ) -> list[Claimant]:
+        """Converge stranded (or named) claimants: restore, send home, remove leases.
+
+        Named claimants whose active lease belongs to a claimant that still runs
+        are refused unless `force`; with `--stranded`, such a claimant (one that
+        started again meanwhile) is skipped.
+        """
+        state = self.ledger.read() if dry_run else self.ledger.tidy()
+        boot_id = self.host.boot_id()
+        if claimants is None:
+            targets = sorted(self.stranded_claimants(state))
+            running = [c for c in targets if _runs_with_active_lease(self, state, c, boot_id)]
+            targets = [c for c in targets if c not in running]
+            for claimant in running:
+                log.warning("%s: started again meanwhile; its lease is left alone", claimant)
+        else:
+            targets = [Claimant.parse(c) for c in claimants]
+            targets = [c for c in targets if state.lease_of(c) is not None]
+            if not force:
+                for claimant in targets:
+                    if _runs_with_active_lease(self, state, claimant, boot_id):
+                        raise ClaimantRunning(claimant, "restoring")
+        if dry_run:
+            return targets
+        releaser = self.releaser()
+        for claimant in targets:
+            self.events.emit("restore", claimant=claimant)
+            releaser.finish(claimant, success=False, reason="restored")
+        return targets
+
+    def stranded_claimants(self, state: LedgerState) -> frozenset[Claimant]:
+        return self._stranded_unlocked(state, self.host.boot_id())
+
+    def _stranded_unlocked(
+        self, state: LedgerState, boot_id: str, alive: dict[Claimant, bool] | None = None
+    ) -> frozenset[Claimant]:
+        if alive is None:
+            alive = claimant_liveness(self.host, state, boot_id)
+        return stranded_claimants(
+            state,
+            boot_id,
+            grace=self.config.timeouts.claim_grace,
+            process_alive=self.host.process_alive,
+            alive=alive,
+        )
+
+    def status(self) -> Status:
+        reading = self.ledger.inspect()
+        state = reading.state or LedgerState()
+        stranded = self.stranded_claimants(state) if reading.state else frozenset()
+        tokens = []
+        self.tokens.refresh()  # one read of every token's functions, now
+        for spec in self.tokens.all().values():
+            poison = state.poison_of(spec.name)
+            holding = [lease for lease in state.leases if blocks_token(lease, spec.name)]
+            mode = "unknown" if reading.corrupt else "idle"
+            if any(lease.mode is Mode.EXCLUSIVE for lease in holding):
+                mode = "exclusive"
+            elif holding:
+                mode = "shared"
+            elif any(
+                lease.state is LeaseState.RELEASING and spec.name in lease.tokens
+                for lease in state.leases
+            ):
+                # Home already, but the release is still bringing back what it stopped.
+                mode = "releasing"
+            tokens.append(
+                TokenStatus(
+                    name=spec.name,
+                    address=spec.address,
+                    mode=mode,
+                    drivers=tuple((f.address, f.driver) for f in spec.functions),
+                    poisoned=poison is not None,
+                    reason=poison.reason if poison else "",
+                    since=poison.since if poison else "",
+                    claimants=tuple(lease.claimant for lease in holding),
+                )
+            )
+        return Status(
+            leases=state.leases,
+            tokens=tuple(tokens),
+            stranded=tuple(sorted(stranded)),
+            generation=state.generation,
+            corrupt=str(reading.corrupt) if reading.corrupt else None,
+        )
+
+    def clear_poison(self, token: str) -> bool:
+        """Let claims on `token` again; refused (by the transaction) on a corrupt ledger."""
+        with self.ledger.transaction() as txn:
+            if txn.state.poison_of(token) is None:
+                return False
+            txn.state = txn.state.with_poison(token, None)
+        self.events.emit("poison-cleared", token=token)
+        return True
+
+
+def _runs_with_active_lease(
+    arbiter: Arbiter, state: LedgerState, claimant: Claimant, boot_id: str
+) -> bool:
+    """Whether `claimant` holds an active lease of this boot and still runs."""
+    lease = state.lease_of(claimant)
+    return (
+        lease is not None
+        and lease.state is LeaseState.ACTIVE
+        and lease.boot_id == boot_id
+        and arbiter.host.is_running(claimant)
+    )
+
+
+def _refuse_if_holders_came_back(
+    seen: LedgerState,
+    now_state: LedgerState,
+    holders: Sequence[Holder],
+    claimant: Claimant,
+    tokens: Sequence[TokenSpec],
+) -> None:
+    """A retry when a release brought a holder back after the holders were listed.
+
+    The list is taken outside the lock (it may ask libvirt); a holder that was
+    stopped then and has been started since would run unseen beside this claim.
+    """
+    pending = {r.holder for lease in now_state.leases for r in lease.unrestored()}
+    came_back = {
+        r.holder for lease in seen.leases for r in lease.unrestored() if r.holder not in pending
+    }
+    names = {token.name for token in tokens}
+    for holder in holders:
+        if holder.ref in came_back and not holder.running and names & set(holder.tokens):
+            raise ClaimRefused(
+                ", ".join(sorted(names)),
+                claimant,
+                f"{holder.ref} was started again while the claim was being decided",
+                hint="try again",
+                retry=True,
+            )

@@ -1,0 +1,368 @@
+"""`/etc/charly-arbiter/arbiter.toml`: read with tomlkit, validated with clear errors.
+
+libvirt runs its hooks with a minimal environment, so the configuration file
+is how the hook finds the state directory, the host and the libvirt URI.
+Command-line options and environment variables override the file.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.pci import parse_address
+from charly_arbiter.errors import ArbiterError, ConfigError
+
+DEFAULT_CONFIG = Path("/etc/charly-arbiter/arbiter.toml")
+DEFAULT_STATE_DIR = Path("/var/lib/charly-arbiter")
+DEFAULT_LIBVIRT_URI = "qemu:///system"
+ENV_CONFIG = "CHARLY_ARBITER_CONFIG"
+ENV_STATE_DIR = "CHARLY_ARBITER_STATE_DIR"
+ENV_HOST = "CHARLY_ARBITER_HOST"
+
+PROCESS_POLICIES = ("refuse", "terminate")
+PREEMPTION_POLICIES = ("stop", "refuse")
+HOLDER_KINDS = ("systemd", "container", "libvirt")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    lock_wait: float = 10.0
+    holder_stop: float = 60.0
+    holder_start: float = 60.0
+    driver_switch: float = 15.0
+    libvirt_call: float = 30.0
+    # How long a fresh lease may have a claimant that does not run yet (a VM
+    # between its prepare hook and its start) before it counts as stranded.
+    claim_grace: float = 60.0
+    # How long a claim waits for an operation under way that will let it through
+    # (its own previous lease being released: a VM destroyed and started at once).
+    claim_wait: float = 30.0
+
+
+MAX_SECONDS = 86400.0  # no timeout is longer than a day
+# Directories that must never become the state directory: the ledger, its lock
+# and the history would be written among the system's own files.
+SYSTEM_DIRS = frozenset(
+    Path(p)
+    for p in (
+        "/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media",
+        "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr",  # noqa: S108
+        "/usr/bin", "/usr/lib", "/usr/local", "/usr/sbin", "/usr/share", "/var", "/var/lib",
+        "/var/log", "/var/tmp", "/var/cache", "/var/run",  # noqa: S108
+    )
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TokenConfig:
+    name: str
+    address: str
+    home_driver: str | None = None
+    cdi: bool = True
+
+
+@dataclass(frozen=True)
+class HolderConfig:
+    """A holder the host cannot discover by itself (a unit or container using a token)."""
+
+    ref: Claimant
+    tokens: tuple[str, ...]
+    preemptible: bool = False
+    stop: str = "stop"  # libvirt: "shutdown" or "managedsave"; others: "stop"
+    runtime: str = "podman"  # containers only
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ref", Claimant.parse(self.ref))
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path | None = None
+    state_dir: Path = DEFAULT_STATE_DIR
+    host: str = "local"
+    libvirt_uri: str = DEFAULT_LIBVIRT_URI
+    libvirt_preemption: str = "stop"
+    process_policy: str = "refuse"
+    hook_log: Path | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    tokens: tuple[TokenConfig, ...] = ()
+    holders: tuple[HolderConfig, ...] = ()
+
+
+def load_config(
+    path: Path | None = None,
+    *,
+    state_dir: Path | None = None,
+    host: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+) -> Config:
+    """Read the file (default path: absent is fine), then apply env and option overrides."""
+    explicit = path is not None or ENV_CONFIG in environ
+    config_path = path or Path(environ.get(ENV_CONFIG, str(DEFAULT_CONFIG)))
+    if config_path.exists() or explicit:
+        config = _parse(config_path, _read_table(config_path))
+    else:
+        config = Config()
+    if ENV_STATE_DIR in environ:
+        config = replace(config, state_dir=Path(environ[ENV_STATE_DIR]))
+    if ENV_HOST in environ:
+        config = replace(config, host=environ[ENV_HOST])
+    if state_dir is not None:
+        config = replace(config, state_dir=state_dir)
+    if host is not None:
+        config = replace(config, host=host)
+    _check_host_spec(config)
+    _check_state_dir(config)
+    return config
+
+
+def _read_table(path: Path) -> dict[str, Any]:
+    import tomlkit  # only the configuration path pays for tomlkit's import
+    from tomlkit.exceptions import TOMLKitError
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as error:
+        raise ConfigError(path, None, f"cannot be read ({error.strerror})") from error
+    try:
+        _check_config_file(path, os.fstat(fd))
+        with os.fdopen(fd, "rb", closefd=False) as handle:
+            text = handle.read(MAX_CONFIG_BYTES + 1).decode("utf-8")
+    except OSError as error:
+        raise ConfigError(path, None, f"cannot be read ({error.strerror})") from error
+    except UnicodeDecodeError:
+        raise ConfigError(path, None, "is not UTF-8 text") from None
+    finally:
+        os.close(fd)
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(path, None, f"is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        return tomlkit.parse(text).unwrap()
+    except (TOMLKitError, RecursionError, ValueError) as error:
+        raise ConfigError(path, None, f"is not valid TOML: {error}") from None
+
+
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def _check_config_file(path: Path, info: os.stat_result) -> None:
+    """The configuration decides what root does to the host's GPUs: it must be a
+    regular file that nobody but root can change."""
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(path, None, "is not a regular file")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            path, None, f"is group- or world-writable (mode {stat.S_IMODE(info.st_mode):o})"
+        )
+    if os.geteuid() == 0 and info.st_uid != 0:
+        raise ConfigError(path, None, f"is owned by uid {info.st_uid}, not root")
+
+
+def _check_state_dir(config: Config) -> None:
+    where = config.path or "--state-dir"
+    directory = config.state_dir
+    if not directory.is_absolute():
+        raise ConfigError(where, "state_dir", f"{str(directory)!r} is not an absolute path")
+    if ".." in directory.parts or str(directory) != os.path.normpath(directory):
+        raise ConfigError(where, "state_dir", f"{str(directory)!r} is not a normalised path")
+    if directory in SYSTEM_DIRS:
+        raise ConfigError(
+            where,
+            "state_dir",
+            f"{directory} is a system directory; use a directory of its own, "
+            "such as /var/lib/charly-arbiter",
+        )
+
+
+def _parse(path: Path, table: dict[str, Any]) -> Config:
+    reader = _Reader(path)
+    known = {
+        "state_dir",
+        "host",
+        "libvirt_uri",
+        "libvirt_preemption",
+        "device_holder_policy",
+        "hook_log",
+        "timeouts",
+        "tokens",
+        "holders",
+    }
+    reader.no_unknown_keys(table, known, "")
+    defaults = Config()
+    timeouts_table = reader.get(table, "timeouts", dict, {})
+    reader.no_unknown_keys(timeouts_table, set(Timeouts.__dataclass_fields__), "timeouts.")
+    timeouts = Timeouts(
+        **{
+            name: reader.positive(timeouts_table, name, f"timeouts.{name}", default)
+            for name, default in vars(Timeouts()).items()
+        }
+    )
+    tokens = tuple(
+        _parse_token(reader, name, spec)
+        for name, spec in reader.get(table, "tokens", dict, {}).items()
+    )
+    token_names = {token.name for token in tokens}
+    holders = tuple(
+        _parse_holder(reader, index, spec, token_names)
+        for index, spec in enumerate(reader.get(table, "holders", list, []))
+    )
+    hook_log = reader.get(table, "hook_log", str, "")
+    if hook_log and not Path(hook_log).is_absolute():
+        raise ConfigError(path, "hook_log", f"{hook_log!r} is not an absolute path")
+    return Config(
+        path=path,
+        state_dir=Path(reader.get(table, "state_dir", str, str(defaults.state_dir))),
+        host=reader.get(table, "host", str, defaults.host),
+        libvirt_uri=reader.text(table, "libvirt_uri", defaults.libvirt_uri),
+        libvirt_preemption=reader.choice(table, "libvirt_preemption", PREEMPTION_POLICIES),
+        process_policy=reader.choice(table, "device_holder_policy", PROCESS_POLICIES),
+        hook_log=Path(hook_log) if hook_log else None,
+        timeouts=timeouts,
+        tokens=tokens,
+        holders=holders,
+    )
+
+
+def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
+    key = f"tokens.{name}"
+    if not isinstance(spec, dict):
+        raise ConfigError(reader.path, key, "expected a table with an address")
+    if not name or not all(c.isalnum() or c in "-_." for c in name):
+        raise ConfigError(reader.path, key, "a token name may only use letters, digits, - _ .")
+    reader.no_unknown_keys(spec, {"address", "home_driver", "cdi"}, f"{key}.")
+    address = reader.get(spec, "address", str, None, f"{key}.address")
+    if address is None:
+        raise ConfigError(reader.path, f"{key}.address", "is missing")
+    try:
+        parse_address(address)
+    except ArbiterError as error:
+        raise ConfigError(reader.path, f"{key}.address", str(error)) from None
+    home_driver = reader.get(spec, "home_driver", str, None, f"{key}.home_driver")
+    if home_driver is not None and not is_driver_name(home_driver):
+        raise ConfigError(
+            reader.path,
+            f"{key}.home_driver",
+            f"{home_driver!r} is not a kernel driver name (letters, digits, - and _)",
+        )
+    return TokenConfig(
+        name=name,
+        address=address,
+        home_driver=home_driver,
+        cdi=reader.get(spec, "cdi", bool, True, f"{key}.cdi"),
+    )
+
+
+def is_driver_name(name: str) -> bool:
+    """A kernel driver's name as it appears under /sys/bus/pci/drivers."""
+    return 0 < len(name) <= 64 and all(c.isascii() and (c.isalnum() or c in "-_") for c in name)
+
+
+def _parse_holder(reader: _Reader, index: int, spec: Any, tokens: set[str]) -> HolderConfig:
+    key = f"holders[{index}]"
+    if not isinstance(spec, dict):
+        raise ConfigError(reader.path, key, "expected a table")
+    reader.no_unknown_keys(
+        spec, {"kind", "name", "tokens", "preemptible", "stop", "runtime"}, f"{key}."
+    )
+    kind = reader.get(spec, "kind", str, "", f"{key}.kind")
+    if kind not in HOLDER_KINDS:
+        raise ConfigError(reader.path, f"{key}.kind", f"expected one of {', '.join(HOLDER_KINDS)}")
+    name = reader.get(spec, "name", str, "", f"{key}.name")
+    try:
+        ref = Claimant.parse(f"{kind}:{name}")
+    except ArbiterError as error:
+        raise ConfigError(reader.path, f"{key}.name", str(error)) from None
+    held = reader.get(spec, "tokens", list, [], f"{key}.tokens")
+    for token in held:
+        if not isinstance(token, str):
+            raise ConfigError(reader.path, f"{key}.tokens", "expected a list of token names")
+        if tokens and token not in tokens:
+            raise ConfigError(reader.path, f"{key}.tokens", f"{token!r} is not a configured token")
+    stop = reader.get(spec, "stop", str, "stop", f"{key}.stop")
+    allowed = ("shutdown", "managedsave") if kind == "libvirt" else ("stop",)
+    if stop == "stop" and kind == "libvirt":
+        stop = "shutdown"
+    if stop not in allowed:
+        raise ConfigError(reader.path, f"{key}.stop", f"expected one of {', '.join(allowed)}")
+    runtime = reader.get(spec, "runtime", str, "podman", f"{key}.runtime")
+    if runtime not in ("podman", "docker"):
+        raise ConfigError(reader.path, f"{key}.runtime", "expected podman or docker")
+    return HolderConfig(
+        ref=ref,
+        tokens=tuple(str(token) for token in held),
+        preemptible=reader.get(spec, "preemptible", bool, False, f"{key}.preemptible"),
+        stop=stop,
+        runtime=runtime,
+    )
+
+
+def _check_host_spec(config: Config) -> None:
+    where = config.path or "--host"
+    if config.host == "local":
+        return
+    if config.host.startswith("sim:") and len(config.host) > 4:
+        return
+    raise ConfigError(where, "host", f"{config.host!r} is not `local` or `sim:DIR`")
+
+
+class _Reader:
+    """Typed look-ups that name the file and the key in every error."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def get(
+        self, table: dict[str, Any], name: str, kind: type, default: Any, key: str | None = None
+    ) -> Any:
+        if name not in table:
+            return default
+        value = table[name]
+        if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+            raise ConfigError(self.path, key or name, f"expected {_type_word(kind)}")
+        return value
+
+    def positive(self, table: dict[str, Any], name: str, key: str, default: float) -> float:
+        value = table.get(name, default)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or not 0 < value <= MAX_SECONDS
+        ):
+            raise ConfigError(
+                self.path, key, f"expected a number of seconds above 0 and at most {MAX_SECONDS:g}"
+            )
+        return float(value)
+
+    def text(self, table: dict[str, Any], name: str, default: str) -> str:
+        """A string without control characters (it ends up in messages and argv)."""
+        value = self.get(table, name, str, default)
+        if not value or not value.isprintable():
+            raise ConfigError(
+                self.path, name, "expected a non-empty string without control characters"
+            )
+        return str(value)
+
+    def choice(self, table: dict[str, Any], name: str, choices: tuple[str, ...]) -> str:
+        value = table.get(name, choices[0])
+        if value not in choices:
+            raise ConfigError(self.path, name, f"expected one of {', '.join(choices)}")
+        return str(value)
+
+    def no_unknown_keys(self, table: dict[str, Any], known: set[str], prefix: str) -> None:
+        for name in table:
+            if name not in known:
+                raise ConfigError(self.path, f"{prefix}{name}", "is not a known setting")
+
+
+def _type_word(kind: type) -> str:
+    return {str: "a string", bool: "true or false", dict: "a table", list: "a list"}.get(
+        kind, kind.__name__
+    )

@@ -1,0 +1,230 @@
+"""The lease ledger: one locked, crash-safe TOML file in the state directory.
+
+Writers take an flock on `ledger.lock`, a file that is never renamed or
+removed (locking the data file itself would hand the next process a fresh,
+unlocked inode after each rename).  Every write goes through a temp file,
+fsync, a hard-linked `.bak` of the previous generation, `os.replace` and an
+fsync of the directory, so a crash leaves either the old or the new
+generation.  Readers (`status`) need no lock: a rename is atomic.
+
+Only `transaction()` is public for writes; helpers that assume the lock is
+held are named `…_unlocked`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from charly_arbiter.core import files, ledger_format
+from charly_arbiter.core.crashpoints import crashpoint
+from charly_arbiter.core.model import LedgerState
+from charly_arbiter.errors import LedgerBusy, LedgerCorrupt, LedgerWriteFailed
+
+log = logging.getLogger(__name__)
+
+LEDGER = "ledger.toml"
+BACKUP = "ledger.toml.bak"
+LOCK = "ledger.lock"
+TEMP = "ledger.toml.tmp"
+_POLL = 0.02
+
+
+@dataclass
+class Transaction:
+    """The state as read under the lock; assign `state` to have it written."""
+
+    state: LedgerState
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What a lock-free read found: the state, or why there is none."""
+
+    state: LedgerState | None
+    corrupt: LedgerCorrupt | None = None
+
+
+class Ledger:
+    def __init__(self, state_dir: Path, lock_timeout: float = 10.0) -> None:
+        self.state_dir = state_dir
+        self.path = state_dir / LEDGER
+        self.backup = state_dir / BACKUP
+        self.lock_path = state_dir / LOCK
+        self.lock_timeout = lock_timeout
+
+    # -- reading ---------------------------------------------------------------
+
+    def read(self) -> LedgerState:
+        """The current state without taking the lock; raises `LedgerCorrupt`."""
+        self._check_state_dir(create=False)
+        # The backup is looked at first: a ledger exists before its first backup
+        # does and never goes away, so a backup seen *before* a missing ledger
+        # means damage, while one seen after may just come from the first writes running meanwhile.
+        backup_existed = self.backup.exists()
+        if self.path.exists() or self.path.is_symlink():
+            return self._load_file(self.path)
+        if backup_existed:
+            raise LedgerCorrupt(self.path, f"it is missing but {self.backup} exists")
+        return LedgerState()
+
+    def inspect(self) -> Reading:
+        """Like `read`, but reports corruption instead of raising (for `status`)."""
+        try:
+            return Reading(self.read())
+        except LedgerCorrupt as error:
+            return Reading(None, error)
+
+    # -- writing ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """Hold the lock, load the state, and write it back if it was changed.
+
+        Keep the body short: never wait on the outside world inside it.  A
+        corrupt or unsafe ledger raises before the body runs, so a mutating
+        command fails closed and changes nothing.
+        """
+        self._check_state_dir(create=True)
+        with self._locked():
+            txn = Transaction(self._load_for_update_unlocked())
+            before = txn.state
+            yield txn
+            if txn.state != before:
+                self._write_unlocked(replace(txn.state, generation=before.generation + 1))
+        crashpoint("ledger.unlocked")
+
+    def tidy(self) -> LedgerState:
+        """Take the lock once: remove what an interrupted write left behind (`restore`
+        runs this first, so it converges even when no lease needs it)."""
+        with self.transaction() as txn:
+            return txn.state
+
+    def _load_for_update_unlocked(self) -> LedgerState:
+        """The state to change, or `LedgerCorrupt`: a damaged ledger is never repaired
+        here.  With temp+fsync+rename a crash never tears it, so damage means something
+        else went wrong, and only an operator decides what the host really holds."""
+        self._remove_stray_temp_unlocked()
+        if not self.path.exists() and not self.path.is_symlink():
+            if self.backup.exists():
+                # A ledger never disappears on its own; its backup says it existed.
+                raise LedgerCorrupt(self.path, f"it is missing but {self.backup} exists")
+            return LedgerState()
+        return self._load_file(self.path)
+
+    # -- recovery, only when an operator asks for it -----------------------------------
+
+    def backup_state(self) -> LedgerState:
+        """What the backup (the previous generation) says; raises `LedgerCorrupt`."""
+        self._check_state_dir(create=False)
+        if not self.backup.exists() and not self.backup.is_symlink():
+            raise LedgerCorrupt(self.backup, "there is no backup")
+        return self._load_file(self.backup)
+
+    def replace_corrupt(self, state: LedgerState) -> Path | None:
+        """Move a corrupt ledger aside (never overwritten) and write `state` in its place.
+
+        The written generation is higher than any the backup knew, so readers see
+        a change.  Returns where the corrupt file went (None when there was none).
+        Refuses when the ledger verifies: there is nothing to recover then.
+        """
+        self._check_state_dir(create=True)
+        with self._locked():
+            self._remove_stray_temp_unlocked()
+            aside = None
+            if self.path.exists() or self.path.is_symlink():
+                try:
+                    self._load_file(self.path)
+                except LedgerCorrupt:
+                    pass
+                else:
+                    raise LedgerCorrupt(self.path, "it verifies; there is nothing to recover")
+                stamp = time.strftime("%Y%m%dT%H%M%S")
+                aside = self.state_dir / f"{LEDGER}.corrupt-{stamp}-{os.getpid()}"
+                os.rename(self.path, aside)
+                files.fsync_dir(self.state_dir)
+            self._write_unlocked(replace(state, generation=state.generation + 1))
+            return aside
+
+    def _write_unlocked(self, state: LedgerState) -> None:
+        try:
+            data = ledger_format.encode(state)
+        except ledger_format.FormatError as error:
+            raise LedgerWriteFailed(self.path, str(error)) from error
+        try:
+            files.replace_file(
+                self.path,
+                data,
+                temp=self.state_dir / TEMP,
+                before_replace=self._link_backup_unlocked,
+                step=lambda name: crashpoint(f"ledger.{name}"),
+            )
+        except OSError as error:
+            raise LedgerWriteFailed(self.path, f"{error.strerror or error}") from error
+
+    def _link_backup_unlocked(self) -> None:
+        """Make `.bak` the current generation without a moment where it is absent."""
+        if not self.path.exists():
+            return
+        staging = self.state_dir / f"{BACKUP}.tmp"
+        staging.unlink(missing_ok=True)
+        os.link(self.path, staging)
+        os.replace(staging, self.backup)
+
+    def _remove_stray_temp_unlocked(self) -> None:
+        for name in (TEMP, f"{BACKUP}.tmp"):
+            if files.remove_stray(self.state_dir / name):
+                log.info("removed %s, left by an interrupted write", self.state_dir / name)
+
+    def _load_file(self, path: Path) -> LedgerState:
+        self._check_file(path)
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise LedgerCorrupt(path, f"cannot be read: {error}") from error
+        try:
+            return ledger_format.decode(data)
+        except ledger_format.FormatError as error:
+            raise LedgerCorrupt(path, str(error)) from error
+
+    # -- locking -------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = files.open_checked(self.lock_path, os.O_RDWR | os.O_CREAT)
+        handle = os.fdopen(fd, "r+")
+        try:
+            if not files.lock_within(handle, self.lock_timeout):
+                raise LedgerBusy(self.lock_path, self.lock_timeout, _lock_holder(handle))
+            # The pid is advisory (who last took the lock), for the LedgerBusy message.
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
+            yield
+        finally:
+            handle.close()  # closing the descriptor releases the flock
+
+    # -- safety of the state directory ------------------------------------------------
+
+    def _check_state_dir(self, create: bool) -> None:
+        files.check_directory(self.state_dir, create=create)
+
+    def _check_file(self, path: Path) -> None:
+        # The ledger may have two links for a moment (while its backup is made).
+        files.check_existing(path, single_link=False)
+
+
+def _lock_holder(handle: object) -> int | None:
+    """The pid written by the process that holds the lock, where it is readable."""
+    try:
+        handle.seek(0)  # type: ignore[attr-defined]
+        text = handle.read(32).strip()  # type: ignore[attr-defined]
+        return int(text) if text.isdigit() else None
+    except (OSError, ValueError):
+        return None

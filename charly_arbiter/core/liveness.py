@@ -1,0 +1,71 @@
+"""Who is still there: the writer of an unfinished lease, a lease's claimant.
+
+A lease is **stranded** when nothing will ever end it by itself: it was
+written before the last boot, the process carrying it out died half-way, or
+its claimant (a VM, a process) no longer runs.  `restore --stranded` ends
+exactly these.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+
+from charly_arbiter.core.host import Host
+from charly_arbiter.core.model import Claimant, Lease, LeaseState, LedgerState, ProcessRef
+
+
+def claimant_liveness(host: Host, state: LedgerState | None, boot_id: str) -> dict[Claimant, bool]:
+    """Whether each active lease's claimant runs; asked before taking the lock,
+    because the answer may come from libvirt, whose hooks call back in here."""
+    if state is None:
+        return {}
+    asked = [
+        lease.claimant
+        for lease in state.leases
+        if lease.state is LeaseState.ACTIVE and lease.boot_id == boot_id
+    ]
+    return host.are_running(asked) if asked else {}
+
+
+def stranded_claimants(
+    state: LedgerState,
+    boot_id: str,
+    *,
+    grace: float,
+    process_alive: Callable[[ProcessRef], bool],
+    alive: Mapping[Claimant, bool],
+) -> frozenset[Claimant]:
+    """Leases from an earlier boot, of a dead writer, or of a claimant gone.
+
+    The writer of an acquiring or releasing lease is known by pid and start
+    time: a zombie, or another process that got its pid, is not it.
+
+    A claimant may not run yet within `grace` seconds of its claim (a VM
+    between its prepare hook and its start).  `alive` says whether each
+    claimant runs (asked in one pass, before the lock); a claimant it does not
+    know (a lease written meanwhile) counts as running, so the lock is never
+    held across a question to libvirt.
+    """
+    stranded: set[Claimant] = set()
+    for lease in state.leases:
+        if lease.boot_id != boot_id:
+            stranded.add(lease.claimant)
+        elif lease.state is not LeaseState.ACTIVE:
+            owner = lease.owner
+            if owner is None or not process_alive(owner):
+                stranded.add(lease.claimant)
+        elif _young(lease, grace):
+            continue
+        elif not alive.get(lease.claimant, True):
+            stranded.add(lease.claimant)
+    return frozenset(stranded)
+
+
+def _young(lease: Lease, grace: float) -> bool:
+    try:
+        age = time.time() - datetime.fromisoformat(lease.created).timestamp()
+    except ValueError:
+        return False
+    return age < grace

@@ -1,0 +1,380 @@
+"""The arbiter's rules, as pure functions from (ledger, host snapshot) to a plan.
+
+`acquire`, `plan` and `status` all decide here; executing a plan is the
+arbiter's job.  Nothing in this module performs I/O, so every rule can be
+tested over every pair of states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from charly_arbiter.core.host import NO_DRIVER, Blocker, Holder, TokenSpec
+from charly_arbiter.core.model import (
+    VFIO,
+    Claimant,
+    Lease,
+    LeaseState,
+    LedgerState,
+    Mode,
+    StepState,
+    StoppedHolder,
+)
+from charly_arbiter.errors import ClaimRefused, PassthroughImpossible, TokenPoisoned
+
+
+@dataclass(frozen=True)
+class Switch:
+    token: str
+    address: str
+    from_driver: str | None
+    to_driver: str  # NO_DRIVER means "whatever the kernel binds, not vfio-pci"
+
+
+@dataclass(frozen=True)
+class StopStep:
+    holder: Claimant
+    how: str
+    shared_tokens: tuple[str, ...] = ()  # set when the holder is a shared claimant
+    tokens: tuple[str, ...] = ()  # the tokens it uses (where it must not come back)
+
+
+@dataclass(frozen=True)
+class ClaimPlan:
+    """Everything an acquire will do, decided before anything is done."""
+
+    claimant: Claimant
+    mode: Mode
+    tokens: tuple[str, ...]
+    transient: bool
+    stops: tuple[StopStep, ...] = ()
+    switches: tuple[Switch, ...] = ()
+    preempted_leases: tuple[Claimant, ...] = ()  # shared claimants whose leases move into this one
+    # Holders stopped by other leases that this one now keeps stopped: those of
+    # the preempted leases, and those a releasing lease has not started yet but
+    # which use a token this claim takes (it brings them back instead).
+    inherited: tuple[StoppedHolder, ...] = ()
+    # (lease, holder) records taken from releasing leases
+    taken_over: tuple[tuple[Claimant, Claimant], ...] = ()
+    homes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    cdi_tokens: tuple[str, ...] = ()
+    already_held: bool = False
+
+    @property
+    def switched_tokens(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(switch.token for switch in self.switches))
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the configuration allows the planner to stop."""
+
+    refuse_kinds: frozenset[str] = frozenset()  # preemptible holders of these kinds still refuse
+    refuse_hint: str = ""
+
+
+NO_POLICY = Policy()
+
+
+def home_map(ledger: LedgerState, token: TokenSpec) -> dict[str, str]:
+    """Each function's home driver: as recorded, else as seen now (never vfio-pci)."""
+    recorded = ledger.home_of(token.name)
+    home: dict[str, str] = {}
+    for function in token.functions:
+        if function.address in recorded:
+            home[function.address] = recorded[function.address]
+        elif function.driver and function.driver != VFIO:
+            home[function.address] = function.driver
+        elif function.address == token.address and token.home_driver:
+            home[function.address] = token.home_driver
+        else:
+            home[function.address] = NO_DRIVER
+    return home
+
+
+def blocks_token(lease: Lease, token: str) -> bool:
+    """Whether `lease` still holds `token` (a releasing lease lets go token by token)."""
+    if token not in lease.tokens:
+        return False
+    return not (lease.state is LeaseState.RELEASING and lease.switch_state(token) is StepState.DONE)
+
+
+def decide_claim(
+    ledger: LedgerState,
+    claimant: Claimant,
+    mode: Mode,
+    tokens: Sequence[TokenSpec],
+    holders: Sequence[Holder],
+    stranded: frozenset[Claimant],
+    *,
+    transient: bool = False,
+    policy: Policy = NO_POLICY,
+    boot_id: str | None = None,
+    blockers: Mapping[str, Blocker] | None = None,
+) -> ClaimPlan:
+    """Decide a claim, or raise the `ClaimRefused` that says why it cannot be had.
+
+    `boot_id` is the current boot's: a lease of the claimant's own from an earlier
+    boot is not "already held" (the reboot undid it on the host) but refused
+    until `restore` has removed it, loudly.  `blockers` say which tokens this
+    host cannot pass through at all; an exclusive claim on one is refused
+    before anything is stopped.
+    """
+    names = tuple(token.name for token in tokens)
+    for token in tokens:
+        poison = ledger.poison_of(token.name)
+        if poison is not None:
+            raise TokenPoisoned(token.name, claimant, poison.reason, poison.since)
+    if mode is Mode.EXCLUSIVE:
+        for token in tokens:
+            blocker = (blockers or {}).get(token.name)
+            if blocker is not None:
+                raise PassthroughImpossible(_label(token), claimant, blocker.why, blocker.hint)
+
+    own = ledger.lease_of(claimant)
+    if own is not None and boot_id is not None and own.boot_id != boot_id:
+        raise ClaimRefused(
+            ", ".join(own.tokens),
+            claimant,
+            "it still has a lease from an earlier boot, which the reboot undid on the host",
+            hint=f"run `charly-arbiter restore {claimant}` (or `restore --stranded`) first",
+        )
+    if own is not None:
+        if own.state is LeaseState.ACTIVE and own.mode is mode and set(own.tokens) == set(names):
+            return ClaimPlan(claimant, mode, names, transient, already_held=True)
+        if own.state is LeaseState.RELEASING:
+            # A VM destroyed and started at once: its release is still under way
+            # (it may be between the hook that began it and the process that
+            # finishes it, and look stranded for that moment).
+            raise ClaimRefused(
+                ", ".join(own.tokens),
+                claimant,
+                "its previous lease is still being released",
+                hint=f"run `charly-arbiter restore {claimant}` if no release is running"
+                if claimant in stranded
+                else "try again once the release has finished",
+                retry=True,
+            )
+        raise ClaimRefused(
+            ", ".join(own.tokens),
+            claimant,
+            f"it already holds a {own.mode} lease in state {own.state}",
+            hint=f"run `charly-arbiter release {claimant}` (or `restore {claimant}`) first",
+        )
+
+    for token in tokens:
+        for lease in ledger.leases_on(token.name):
+            if not blocks_token(lease, token.name):
+                continue
+            if lease.claimant in stranded:
+                raise ClaimRefused(
+                    _label(token),
+                    claimant,
+                    f"it holds a stranded lease of {lease.claimant}",
+                    hint="run `charly-arbiter restore --stranded` first",
+                )
+            if lease.mode is Mode.EXCLUSIVE:
+                raise ClaimRefused(
+                    _label(token),
+                    claimant,
+                    f"{token.name} is held exclusively by {lease.claimant} since {lease.created}",
+                    hint=f"stop {lease.claimant} first, or wait until it releases the GPU",
+                )
+            if mode is Mode.EXCLUSIVE and lease.state is not LeaseState.ACTIVE:
+                raise ClaimRefused(
+                    _label(token),
+                    claimant,
+                    f"the shared lease of {lease.claimant} is {lease.state}",
+                    hint="try again in a moment",
+                    retry=True,
+                )
+
+    if mode is Mode.EXCLUSIVE:
+        return _decide_exclusive(ledger, claimant, tokens, holders, stranded, transient, policy)
+    return _decide_shared(ledger, claimant, tokens, holders, transient, policy)
+
+
+def _decide_exclusive(
+    ledger: LedgerState,
+    claimant: Claimant,
+    tokens: Sequence[TokenSpec],
+    holders: Sequence[Holder],
+    stranded: frozenset[Claimant],
+    transient: bool,
+    policy: Policy,
+) -> ClaimPlan:
+    names = tuple(token.name for token in tokens)
+    preempted: dict[Claimant, tuple[str, ...]] = {}
+    inherited: list[StoppedHolder] = []
+    for lease in ledger.leases:
+        # Only active shared leases that still hold a token are preempted; one that
+        # is releasing and has let go of the token brings back its own holders.
+        shared_here = [t for t in lease.tokens if t in names and blocks_token(lease, t)]
+        if lease.mode is Mode.SHARED and shared_here and lease.claimant != claimant:
+            preempted[lease.claimant] = lease.tokens
+            inherited.extend(lease.unrestored())
+    taken_over = _take_over_pending_restarts(ledger, claimant, tokens, stranded, preempted)
+    inherited.extend(record for _, record in taken_over)
+
+    stops: list[StopStep] = []
+    for holder in _running_holders(holders, claimant, names):
+        if holder.ref in preempted:
+            continue
+        _refuse_unless_preemptible(holder, claimant, tokens, policy)
+        stops.append(StopStep(holder.ref, holder.how, tokens=holder.tokens))
+    how: dict[Claimant, str] = {holder.ref: holder.how for holder in holders}
+    for ref, shared_tokens in preempted.items():
+        # A shared claimant is always preemptible, but a policy may still forbid
+        # stopping its kind (from a hook, a nested hook).
+        token = next(t for t in tokens if t.name in shared_tokens)
+        _refuse_by_policy(ref, "", claimant, token, policy)
+        stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens, shared_tokens))
+
+    switches = tuple(
+        Switch(token.name, function.address, function.driver, VFIO)
+        for token in tokens
+        for function in token.functions
+        if function.driver != VFIO
+    )
+    return ClaimPlan(
+        claimant,
+        Mode.EXCLUSIVE,
+        names,
+        transient,
+        stops=tuple(stops),
+        switches=switches,
+        preempted_leases=tuple(preempted),
+        inherited=tuple(inherited),
+        taken_over=tuple((lease, record.holder) for lease, record in taken_over),
+        homes={token.name: home_map(ledger, token) for token in tokens},
+    )
+
+
+def _take_over_pending_restarts(
+    ledger: LedgerState,
+    claimant: Claimant,
+    tokens: Sequence[TokenSpec],
+    stranded: frozenset[Claimant],
+    preempted: Mapping[Claimant, tuple[str, ...]],
+) -> list[tuple[Claimant, StoppedHolder]]:
+    """Records of holders a releasing lease will start again on tokens this claim takes.
+
+    Started now, such a holder would run on a GPU this claim holds exclusively;
+    so the claim keeps it stopped and brings it back itself.  One that is being
+    started right now (STARTING) cannot be taken: the claim waits until it runs
+    and then stops it like any other holder.
+    """
+    names = {token.name for token in tokens}
+    label = {token.name: _label(token) for token in tokens}
+    taken = []
+    for lease in ledger.leases:
+        if lease.state is not LeaseState.RELEASING or lease.claimant in preempted:
+            continue
+        for record in lease.unrestored():
+            used = [t for t in record.tokens if t in names]
+            if not used or record.holder == claimant:
+                continue
+            if record.state is StepState.STARTING:
+                stale = lease.claimant in stranded
+                raise ClaimRefused(
+                    label[used[0]],
+                    claimant,
+                    f"{record.holder} is being started again by the release of {lease.claimant}",
+                    hint="run `charly-arbiter restore --stranded` first"
+                    if stale
+                    else "try again in a moment",
+                    retry=not stale,
+                )
+            taken.append((lease.claimant, record))
+    return taken
+
+
+def _decide_shared(
+    ledger: LedgerState,
+    claimant: Claimant,
+    tokens: Sequence[TokenSpec],
+    holders: Sequence[Holder],
+    transient: bool,
+    policy: Policy,
+) -> ClaimPlan:
+    names = tuple(token.name for token in tokens)
+    first = [
+        token
+        for token in tokens
+        if not any(blocks_token(lease, token.name) for lease in ledger.leases_on(token.name))
+    ]
+    first_names = {token.name for token in first}
+    claimants = {lease.claimant for lease in ledger.leases}
+    stops = []
+    for holder in _running_holders(holders, claimant, tuple(first_names)):
+        # A shared claimant already shares; anything else that is preemptible makes room.
+        if holder.preemptible and holder.ref not in claimants:
+            _refuse_unless_preemptible(holder, claimant, first, policy)
+            stops.append(StopStep(holder.ref, holder.how, tokens=holder.tokens))
+    switches = []
+    homes = {}
+    for token in first:
+        home = home_map(ledger, token)
+        homes[token.name] = home
+        for function in token.functions:
+            target = home[function.address]
+            if function.driver == VFIO or (target and function.driver != target):
+                switches.append(Switch(token.name, function.address, function.driver, target))
+    return ClaimPlan(
+        claimant,
+        Mode.SHARED,
+        names,
+        transient,
+        stops=tuple(stops),
+        switches=tuple(switches),
+        homes=homes,
+        cdi_tokens=tuple(token.name for token in first if token.cdi),
+    )
+
+
+def _running_holders(
+    holders: Sequence[Holder], claimant: Claimant, names: tuple[str, ...]
+) -> list[Holder]:
+    seen: set[str] = set()
+    result = []
+    for holder in holders:
+        if holder.ref == claimant or holder.ref in seen or not holder.running:
+            continue
+        if any(token in names for token in holder.tokens):
+            seen.add(holder.ref)
+            result.append(holder)
+    return result
+
+
+def _refuse_unless_preemptible(
+    holder: Holder, claimant: Claimant, tokens: Sequence[TokenSpec], policy: Policy
+) -> None:
+    token = next(t for t in tokens if t.name in holder.tokens)
+    detail = f" ({holder.detail})" if holder.detail else ""
+    if not holder.preemptible:
+        raise ClaimRefused(
+            _label(token),
+            claimant,
+            f"it is in use by {holder.ref}{detail}, which is not preemptible",
+            hint=f"stop {holder.ref} first, or mark it preemptible in arbiter.toml",
+        )
+    _refuse_by_policy(holder.ref, detail, claimant, token, policy)
+
+
+def _refuse_by_policy(
+    ref: Claimant, detail: str, claimant: Claimant, token: TokenSpec, policy: Policy
+) -> None:
+    kind = ref.kind
+    if kind in policy.refuse_kinds:
+        raise ClaimRefused(
+            _label(token),
+            claimant,
+            f"it is in use by {ref}{detail}, and this configuration does not stop "
+            f"{kind} holders from a hook",
+            hint=policy.refuse_hint.format(holder=ref, claimant=claimant, token=token.name),
+        )
+
+
+def _label(token: TokenSpec) -> str:
+    return f"{token.name} ({token.address})"

@@ -1,0 +1,55 @@
+"""A token's driver switch and what follows from it: poison when it fails, CDI after.
+
+Acquiring and releasing both switch tokens, and both must poison a token whose
+switch failed or hung (nothing may touch it again until an operator has looked)
+and refresh the CDI spec once a GPU came home; this is the one place that does.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+from charly_arbiter.core.events import Events, drivers_label
+from charly_arbiter.core.host import Host, TokenSpec
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Claimant, Poison, now
+from charly_arbiter.errors import ArbiterError, SwitchFailed
+
+log = logging.getLogger(__name__)
+
+
+class Switching:
+    def __init__(self, host: Host, ledger: Ledger, events: Events) -> None:
+        self.host = host
+        self.ledger = ledger
+        self.events = events
+
+    def switch(self, token: TokenSpec, targets: Mapping[str, str], claimant: Claimant) -> None:
+        """Switch one token; on failure poison it, so nothing touches it again."""
+        started = time.monotonic()
+        try:
+            self.host.switch(token, targets)
+        except SwitchFailed as error:
+            self.poison(token.name, str(error), claimant)
+            raise
+        self.events.emit(
+            "switched",
+            token=token.name,
+            claimant=claimant,
+            driver=drivers_label(targets),
+            seconds=round(time.monotonic() - started, 3),
+        )
+
+    def poison(self, token: str, reason: str, claimant: Claimant) -> None:
+        with self.ledger.transaction() as txn:
+            txn.state = txn.state.with_poison(token, Poison(reason, now()))
+        self.events.emit("poisoned", token=token, claimant=claimant, why=reason)
+
+    def regenerate_cdi(self, token: TokenSpec) -> None:
+        """A CDI spec that cannot be refreshed is worth a warning, never a failed claim."""
+        try:
+            self.host.regenerate_cdi(token)
+        except ArbiterError as error:
+            log.warning("%s: could not regenerate the CDI spec: %s", token.name, error)

@@ -1,0 +1,200 @@
+"""`local`: the real machine, through sysfs, /proc and the holder sources.
+
+PCI functions and driver switching go through `sysfs.Sysfs`/`Switcher`,
+device-holding processes through `holders.process`, and every other holder
+kind (systemd units, containers, libvirt domains) through the
+`HolderRegistry`, which builds each source only when a ref of its kind comes
+up.  The /sys, /proc and /dev roots are constructor parameters, so the same
+code runs against a fake tree in tests and the real one in a VM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from charly_arbiter.core.config import Config
+from charly_arbiter.core.host import Blocker, Holder, PciFunction, TokenSpec, common_blocker
+from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
+from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed
+from charly_arbiter.host import run
+from charly_arbiter.host.blocking import Writer
+from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory
+from charly_arbiter.host.holders.process import ProcessHolders
+from charly_arbiter.host.nvml import Nvml
+from charly_arbiter.host.procscan import process_alive, process_ref
+from charly_arbiter.host.sysfs import DEV_ROOT, PROC_ROOT, SYS_ROOT, Switcher, Sysfs
+from charly_arbiter.host.sysfs import write_attribute as default_writer
+
+log = logging.getLogger(__name__)
+
+CDI_SPEC = Path("/etc/cdi/nvidia.yaml")
+MODULES_ROOT = Path("/lib/modules")
+NVIDIA_VENDOR = "10de"
+
+
+class LocalHost:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        sys_root: Path = SYS_ROOT,
+        proc_root: Path = PROC_ROOT,
+        dev_root: Path = DEV_ROOT,
+        writer: Writer = default_writer,
+        cdi_spec: Path = CDI_SPEC,
+        modules_root: Path = MODULES_ROOT,
+        sources: Mapping[str, SourceFactory] | None = None,
+        isolate_writes: bool = True,
+    ) -> None:
+        self.config = config
+        self.modules_root = modules_root
+        self.description = "local" if sys_root == SYS_ROOT else f"local (sysfs at {sys_root})"
+        self.sysfs = Sysfs(sys_root, writer)
+        self.proc_root = proc_root
+        self.dev_root = dev_root
+        self.cdi_spec = cdi_spec
+        self.switcher = Switcher(
+            self.sysfs,
+            dev_root,
+            config.timeouts.driver_switch,
+            load_module=_modprobe,
+            isolate=isolate_writes,
+        )
+        self.processes = ProcessHolders(config, self.sysfs, proc_root, dev_root)
+        # Processes are this host's own; every other kind comes from `sources`.
+        others = {k: f for k, f in (sources or {}).items() if k != ProcessHolders.kind}
+        self.registry = HolderRegistry(config, others)
+        self.nvml = Nvml()
+
+    def boot_id(self) -> str:
+        path = self.proc_root / "sys" / "kernel" / "random" / "boot_id"
+        try:
+            return path.read_text().strip()
+        except OSError as error:
+            raise HostError(f"cannot read the boot id from {path}: {error.strerror}") from None
+
+    def functions(self) -> list[PciFunction]:
+        return [self.sysfs.function(address) for address in self.sysfs.addresses()]
+
+    def gpus(self) -> list[PciFunction]:
+        return [function for function in self.functions() if function.is_display]
+
+    def token_functions(self, name: str, address: str) -> list[PciFunction]:
+        if not self.sysfs.exists(address):
+            raise HostError(
+                f"token {name}: there is no PCI device {address} on this host",
+                hint="check the token's address in arbiter.toml against `charly-arbiter detect`",
+            )
+        return self.sysfs.group_functions(address)
+
+    def switch(self, token: TokenSpec, targets: Mapping[str, str]) -> None:
+        known = {function.address for function in token.functions}
+        for address in targets:
+            if address not in known:
+                raise SwitchFailed(
+                    address,
+                    target_label(targets[address]),
+                    "plan",
+                    f"it is not a function of {token.name}",
+                )
+        self.nvml.close()  # an open NVML session holds /dev/nvidia* itself
+        self.switcher.switch(targets)
+
+    def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
+        blocker = common_blocker(token)
+        if blocker is None and not self._vfio_available():
+            blocker = Blocker(
+                "vfio-pci is neither loaded nor installed for this kernel",
+                "install the kernel's modules package (vfio-pci is part of it) "
+                "and check `modprobe vfio-pci`",
+            )
+        return blocker
+
+    def _vfio_available(self) -> bool:
+        """Loaded, built in, or listed among this kernel's modules (modprobe loads it)."""
+        if self.sysfs.driver(VFIO).is_dir() or (self.sysfs.root / "module" / "vfio_pci").is_dir():
+            return True
+        release = self.modules_root / os.uname().release
+        for listing in ("modules.dep", "modules.builtin"):
+            try:
+                text = (release / listing).read_text(errors="replace")
+            except OSError:
+                continue
+            if "/vfio-pci.ko" in text or "/vfio_pci.ko" in text:
+                return True
+        return False
+
+    def current_process(self) -> ProcessRef:
+        return process_ref(self.proc_root, os.getpid()) or ProcessRef(os.getpid())
+
+    def process_alive(self, process: ProcessRef) -> bool:
+        return process_alive(self.proc_root, process)
+
+    def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
+        """Processes holding the tokens' device nodes, then every other holder kind.
+
+        A kind whose manager cannot be reached (libvirtd not running) has no
+        holders to report: a VM that still runs without it holds /dev/vfio/N,
+        which the process scan sees.  That is logged, not fatal.
+        """
+        found = list(self.processes.holders(tokens))
+        for kind in self.registry.kinds:
+            try:
+                source = self.registry.source(kind)
+                if source is not None:
+                    found.extend(source.holders(tokens))
+            except (HostError, ImportError) as error:
+                log.warning("cannot list %s holders: %s", kind, error)
+        return found
+
+    def source(self, ref: Claimant) -> HolderSource:
+        if Claimant.parse(ref).kind == ProcessHolders.kind:
+            return self.processes
+        return self.registry.for_ref(ref)
+
+    def is_running(self, ref: Claimant) -> bool:
+        return self.source(ref).is_running(ref)
+
+    def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
+        return {ref: self.is_running(ref) for ref in refs}
+
+    def stop(self, ref: Claimant) -> None:
+        self.source(ref).stop(ref)
+
+    def start(self, ref: Claimant) -> None:
+        self.source(ref).start(ref)
+
+    def regenerate_cdi(self, token: TokenSpec) -> None:
+        """`nvidia-ctk cdi generate` once an NVIDIA GPU is back on `nvidia`."""
+        if not any(
+            function.vendor == NVIDIA_VENDOR
+            and self.sysfs.current_driver(function.address) == "nvidia"
+            for function in token.functions
+        ):
+            return
+        tool = run.which("nvidia-ctk")
+        if tool is None:
+            log.info("%s: nvidia-ctk is not installed; no CDI spec to regenerate", token.name)
+            return
+        run.run([tool, "cdi", "generate", f"--output={self.cdi_spec}"], timeout=120)
+        log.info("%s: regenerated %s", token.name, self.cdi_spec)
+
+    def close(self) -> None:
+        self.nvml.close()
+        self.switcher.close()
+        self.registry.close()
+
+
+def _modprobe(module: str) -> None:
+    """Load a driver the way libvirt does before binding to it; the caller verifies."""
+    tool = run.which("modprobe")
+    if tool is None:
+        log.warning("modprobe is not installed; cannot load %s", module)
+        return
+    try:
+        run.run([tool, "--", module], timeout=60)
+    except CommandFailed as error:
+        log.warning("could not load %s: %s", module, error)

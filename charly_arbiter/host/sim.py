@@ -1,0 +1,337 @@
+"""`sim:DIR`, a file-backed simulated host (like libvirt's `test:///default`).
+
+`DIR/host.toml` describes the machine: PCI devices and holders, with fault
+injection flags (see docs/simulated-host.md).  What changes while it runs
+(bound drivers, which holders run, the boot id) lives in `DIR/state.json`,
+under its own lock, so that separate processes see each other's effects.
+`host.toml` is read on every call, so a test can inject a fault mid-scenario.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import tomllib
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from charly_arbiter.core import files
+from charly_arbiter.core.host import (
+    NO_DRIVER,
+    Blocker,
+    Holder,
+    PciFunction,
+    TokenSpec,
+    common_blocker,
+)
+from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
+from charly_arbiter.errors import HolderError, HostError, SwitchFailed, SwitchHung
+from charly_arbiter.host.blocking import TimedOut, bounded
+from charly_arbiter.host.procscan import process_alive, process_ref
+
+log = logging.getLogger(__name__)
+
+BRIDGE_CLASS = "0604"
+# The simulated host's processes (the CLI, the hooks) are real processes.
+PROC_ROOT = Path("/proc")
+STATE_LOCK_WAIT = 60.0
+
+
+class SimHost:
+    def __init__(self, directory: Path, switch_timeout: float = 15.0) -> None:
+        self.directory = directory
+        self.switch_timeout = switch_timeout
+        self.description = f"sim:{directory}"
+        self._parsed: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
+        if not (directory / "host.toml").is_file():
+            raise HostError(
+                f"the simulated host {directory} has no host.toml",
+                hint=f"run `charly-arbiter --host sim:{directory} sim init` to create one",
+            )
+
+    # -- description and state ---------------------------------------------------
+
+    def _description(self) -> dict[str, Any]:
+        """host.toml, parsed again only when it changed (a test may inject a fault
+        mid-scenario; a command asks a dozen times)."""
+        path = self.directory / "host.toml"
+        try:
+            info = path.stat()
+            key = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+            if self._parsed is None or self._parsed[0] != key:
+                with path.open("rb") as handle:
+                    self._parsed = (key, tomllib.load(handle))
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise HostError(f"cannot read the simulated host {path}: {error}") from error
+        return self._parsed[1]
+
+    def _devices(self) -> list[dict[str, Any]]:
+        return list(self._description().get("devices", []))
+
+    def _holder_specs(self) -> list[dict[str, Any]]:
+        return list(self._description().get("holders", []))
+
+    @contextlib.contextmanager
+    def _state(self) -> Iterator[dict[str, Any]]:
+        """The mutable state, locked; written back atomically when the block ends (not
+        durably: a simulation's state need not survive a power cut)."""
+        with open(self.directory / "state.lock", "a+") as lock:
+            if not files.lock_within(lock, STATE_LOCK_WAIT):
+                raise HostError(f"{self.directory / 'state.lock'} stayed locked")
+            path = self.directory / "state.json"
+            state = json.loads(path.read_text()) if path.exists() else self._fresh_state()
+            before = json.dumps(state, sort_keys=True) if path.exists() else ""
+            yield state
+            if json.dumps(state, sort_keys=True) != before:
+                text = json.dumps(state, indent=1, sort_keys=True).encode()
+                temp = path.with_suffix(".tmp")  # under the lock: a fixed name is safe
+                temp.unlink(missing_ok=True)
+                files.replace_file(path, text, temp=temp, durable=False)
+
+    def _fresh_state(self) -> dict[str, Any]:
+        return {
+            "boot_id": str(uuid.uuid4()),
+            "drivers": {d["address"]: d.get("driver", "") for d in self._devices()},
+            "running": {_ref(h): bool(h.get("running", False)) for h in self._holder_specs()},
+            "unknown_alive": True,
+            "cdi_generations": 0,
+            "log": [],
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._state() as state:
+            copy: dict[str, Any] = json.loads(json.dumps(state))
+            return copy
+
+    # -- Host interface ------------------------------------------------------------
+
+    def boot_id(self) -> str:
+        with self._state() as state:
+            return str(state["boot_id"])
+
+    def gpus(self) -> list[PciFunction]:
+        return [f for f in self._functions() if f.is_display]
+
+    def token_functions(self, name: str, address: str) -> list[PciFunction]:
+        functions = self._functions()
+        gpu = next((f for f in functions if f.address == address), None)
+        if gpu is None:
+            raise HostError(
+                f"token {name}: there is no PCI device {address} on {self.description}",
+                hint="check the token's address in arbiter.toml against `charly-arbiter detect`",
+            )
+        return [
+            f
+            for f in functions
+            if f.address == address
+            or (gpu.iommu_group is not None and f.iommu_group == gpu.iommu_group)
+        ]
+
+    def _functions(self) -> list[PciFunction]:
+        with self._state() as state:
+            drivers = dict(state["drivers"])
+        result = []
+        for device in self._devices():
+            if str(device.get("class", "")).startswith(BRIDGE_CLASS):
+                continue
+            address = device["address"]
+            result.append(
+                PciFunction(
+                    address=address,
+                    vendor=str(device.get("vendor", "")),
+                    device=str(device.get("device", "")),
+                    pci_class=str(device.get("class", "")),
+                    driver=drivers.get(address) or None,
+                    iommu_group=_optional_str(device.get("iommu_group")),
+                )
+            )
+        return result
+
+    def switch(self, token: TokenSpec, targets: Mapping[str, str]) -> None:
+        devices = {d["address"]: d for d in self._devices()}
+        for address, driver in targets.items():
+            device = devices.get(address, {})
+            if device.get("hang_switch"):
+                # Like unbinding nvidia while something holds it: the write never returns.
+                try:
+                    bounded(lambda: time.sleep(3600), self.switch_timeout, f"sysfs {address}")
+                except TimedOut:
+                    raise SwitchHung(
+                        address, target_label(driver), "unbind", self.switch_timeout
+                    ) from None
+            if device.get("fail_switch"):
+                raise SwitchFailed(address, target_label(driver), "verify", "simulated failure")
+        with self._state() as state:
+            for address, driver in targets.items():
+                home = devices.get(address, {}).get("driver", "")
+                new = driver if driver != NO_DRIVER else (home if home != VFIO else "")
+                state["drivers"][address] = new
+                state["log"].append(f"switch {address} {new or '(none)'}")
+
+    def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
+        by_key: dict[str, str] = {}
+        for token in tokens:
+            by_key[token.name] = token.name
+            for function in token.functions:
+                by_key[function.address] = token.name
+        with self._state() as state:
+            running = dict(state["running"])
+        found = []
+        for spec in self._holder_specs():
+            held = tuple(dict.fromkeys(by_key[t] for t in spec.get("tokens", []) if t in by_key))
+            if not held:
+                continue
+            ref = _ref(spec)
+            found.append(
+                Holder(
+                    ref=ref,
+                    tokens=held,
+                    preemptible=bool(spec.get("preemptible", False)),
+                    running=bool(running.get(ref, False)),
+                    how=str(spec.get("how", "stop")),
+                    restartable=spec.get("kind") != "process",
+                )
+            )
+        return found
+
+    def is_running(self, ref: Claimant) -> bool:
+        return self.are_running([ref])[ref]
+
+    def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
+        with self._state() as state:
+            running, unknown = state["running"], bool(state["unknown_alive"])
+            return {ref: bool(running[ref]) if ref in running else unknown for ref in refs}
+
+    def stop(self, ref: Claimant) -> None:
+        self._set_running(ref, False, "fail_stop", "stop")
+
+    def start(self, ref: Claimant) -> None:
+        spec = self._spec(ref)
+        if spec is not None and spec.get("kind") == "process":
+            log.info("%s was a process; there is nothing to start again", ref)
+            return
+        self._set_running(ref, True, "fail_start", "start")
+
+    def _set_running(self, ref: Claimant, running: bool, fault: str, action: str) -> None:
+        spec = self._spec(ref)
+        if spec is not None and spec.get(fault):
+            raise HolderError(ref, action, "simulated failure")
+        with self._state() as state:
+            state["running"][ref] = running
+            state["log"].append(f"{action} {ref}")
+
+    def _spec(self, ref: Claimant) -> dict[str, Any] | None:
+        return next((s for s in self._holder_specs() if _ref(s) == ref), None)
+
+    def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
+        """`iommu = false` or `vfio_pci = false` in host.toml model a host that
+        cannot pass anything through; a device without `iommu_group` has none."""
+        description = self._description()
+        if not description.get("iommu", True):
+            return Blocker(
+                "the IOMMU is off (simulated: iommu = false)",
+                "enable VT-d or AMD-Vi in the firmware and boot with intel_iommu=on",
+            )
+        blocker = common_blocker(token)
+        if blocker is None and not description.get("vfio_pci", True):
+            blocker = Blocker(
+                "vfio-pci is neither loaded nor installed (simulated: vfio_pci = false)",
+                "install the kernel's vfio-pci module",
+            )
+        return blocker
+
+    def current_process(self) -> ProcessRef:
+        return process_ref(PROC_ROOT, os.getpid()) or ProcessRef(os.getpid())
+
+    def process_alive(self, process: ProcessRef) -> bool:
+        return process_alive(PROC_ROOT, process)
+
+    def regenerate_cdi(self, token: TokenSpec) -> None:
+        with self._state() as state:
+            state["cdi_generations"] += 1
+            state["log"].append(f"cdi {token.name}")
+
+    def close(self) -> None:
+        pass
+
+    # -- simulation controls (the `sim` commands) ----------------------------------------
+
+    def set_running(self, ref: str, running: bool) -> None:
+        """Change a holder or claimant from outside (a VM crashed, a unit was started)."""
+        with self._state() as state:
+            state["running"][ref] = running
+            state["log"].append(f"{'up' if running else 'down'} {ref} (simulated)")
+
+    def reboot(self) -> None:
+        """A new boot: drivers and holders as described, every claimant gone."""
+        with self._state() as state:
+            # Claimants the simulation was told about are gone with the old boot;
+            # claimants not yet seen (a VM claiming after the reboot) count as alive,
+            # as on a fresh host.  Old leases are stranded by their boot id.
+            fresh = self._fresh_state()
+            fresh["cdi_generations"] = state["cdi_generations"]
+            fresh["log"] = [*state["log"], "reboot"]
+            state.clear()
+            state.update(fresh)
+
+
+def _ref(spec: Mapping[str, Any]) -> Claimant:
+    return Claimant.of(str(spec.get("kind", "")), str(spec.get("name", "")))
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+EXAMPLE = """\
+# A simulated host: one NVIDIA GPU with its HDMI audio function in IOMMU
+# group 12, a second GPU alone in group 13, and the things that use them.
+# See docs/simulated-host.md for every key.
+
+[[devices]]
+address = "0000:0a:00.0"
+vendor = "10de"
+device = "2684"
+class = "030000"
+driver = "nvidia"
+iommu_group = 12
+
+[[devices]]
+address = "0000:0a:00.1"
+vendor = "10de"
+device = "22ba"
+class = "040300"
+driver = "snd_hda_intel"
+iommu_group = 12
+
+[[devices]]
+address = "0000:0b:00.0"
+vendor = "10de"
+device = "2204"
+class = "030000"
+driver = "nvidia"
+iommu_group = 13
+
+# A container serving a model on the first GPU: it may be stopped for a VM.
+[[holders]]
+kind = "container"
+name = "llm"
+tokens = ["0000:0a:00.0"]
+preemptible = true
+running = true
+how = "podman stop"
+
+# The desktop session's display server on the second GPU: never stopped.
+[[holders]]
+kind = "systemd"
+name = "display-manager.service"
+tokens = ["0000:0b:00.0"]
+preemptible = false
+running = true
+how = "systemctl stop"
+"""

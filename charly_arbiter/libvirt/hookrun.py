@@ -1,0 +1,266 @@
+"""The hook's slow path: a domain whose XML may claim a GPU.
+
+`hook.py` decides, from a byte scan, that the domain may claim; everything
+after that is here, with ordinary imports and types.  libvirt holds the
+domain locked until the hook exits, so while it runs a marker says so (other
+arbiter processes then never wait on that lock).  The release of a claim that
+stopped holders is handed to a detached process, after the lease has turned
+`releasing` under the lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from charly_arbiter.compose import HOLDER_KINDS, build_arbiter
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.config import Config, load_config
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Claimant, Mode, ProcessRef
+from charly_arbiter.core.planner import NO_POLICY, Policy
+from charly_arbiter.errors import ArbiterError
+from charly_arbiter.host.markers import HOOK_DIR, is_acting, marked
+from charly_arbiter.host.run import spawn_detached
+from charly_arbiter.host.sysfs import Roots
+from charly_arbiter.libvirt.domainxml import (
+    DomainClaim,
+    DomainFacts,
+    mdev_parent,
+    parse_domain,
+    resolve_claim,
+)
+from charly_arbiter.logsetup import log_setup
+
+log = logging.getLogger(__name__)
+
+DETACHED = "finish-release"  # the detached release's first argument (and its name in ps)
+
+
+def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
+    """One handled operation for a domain whose XML may claim (`xml` is None when it
+    was too large to read whole; the ledger then decides alone)."""
+    log_setup(0)
+    ref = Claimant.parse(f"libvirt:{guest}")
+    facts = None if xml is None else parse_domain(xml, guest)
+    if facts is not None and not facts.mentions_gpus:
+        return 0
+    hook = HookRun(ref, guest)
+    with marked(hook.config.state_dir, HOOK_DIR, str(ref)):
+        try:
+            if operation == "release":
+                return hook.release(extra)  # by the ledger alone: its tokens may be gone
+            if facts is None:
+                return hook.reconnect(None) if operation == "reconnect" else 1
+            claim = hook.claim(facts)
+            if operation == "prepare":
+                return hook.prepare(claim) if claim else 0
+            if operation == "reconnect":
+                return hook.reconnect(claim)
+            return hook.migrate(claim)
+        finally:
+            hook.close()
+
+
+class HookRun:
+    def __init__(self, ref: Claimant, guest: str) -> None:
+        self.ref = str(ref)
+        self.guest = guest
+        self.config = load_config()
+        log_to_file(self.config)
+        self._arbiter: Arbiter | None = None
+
+    def arbiter(self) -> Arbiter:
+        if self._arbiter is None:
+            # The libvirt holder source never touches (or enumerates past) this domain.
+            self._arbiter = build_arbiter(self.config, subject=self.guest)
+        return self._arbiter
+
+    def close(self) -> None:
+        if self._arbiter is not None:
+            self._arbiter.host.close()
+
+    def claim(self, facts: DomainFacts) -> DomainClaim | None:
+        sys_root = Roots().sys
+        return resolve_claim(
+            facts,
+            self.arbiter().tokens.token_for_address,
+            lambda uuid: mdev_parent(sys_root, uuid),
+        )
+
+    def nested(self) -> bool:
+        """Whether this hook runs because the arbiter itself stops or starts this domain."""
+        return is_acting(self.config.state_dir, self.ref)
+
+    def policy(self) -> Policy:
+        if self.nested():
+            return Policy(
+                refuse_kinds=frozenset(HOLDER_KINDS),
+                refuse_hint="{claimant} was started by the arbiter itself, which never "
+                "stops {holder} from a nested hook; stop {holder} first",
+            )
+        if self.config.libvirt_preemption == "refuse":
+            return Policy(
+                refuse_kinds=frozenset({"libvirt"}),
+                refuse_hint="stop {holder} first (virsh shutdown), or run `charly-arbiter "
+                "acquire --exclusive {claimant} {token}` outside libvirt, then start "
+                "the VM again",
+            )
+        return NO_POLICY
+
+    def prepare(self, claim: DomainClaim) -> int:
+        plan = self.arbiter().acquire(
+            self.ref,
+            claim.mode,
+            list(claim.tokens),
+            transient=claim.transient,
+            policy=self.policy(),
+        )
+        stopped = ", ".join(step.holder for step in plan.stops)
+        log.info(
+            "%s holds %s (%s)%s",
+            self.ref,
+            ", ".join(plan.tokens),
+            plan.mode,
+            f"; stopped {stopped}" if stopped else "",
+        )
+        return 0
+
+    def release(self, reason: str) -> int:
+        reason = "" if reason == "-" else reason
+        lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
+        nested = self.nested()
+        log.info(
+            "%s stopped (%s)%s",
+            self.ref,
+            reason or "no reason given",
+            " by the arbiter" if nested else "",
+        )
+        if lease is None:
+            return 0  # a refused prepare, or a holder whose lease moved: nothing is ours
+        success = reason != "failed"
+        arbiter = self.arbiter()
+        if lease.unrestored() and not nested:
+            # Starting what the claim stopped calls libvirt and may take a while:
+            # a detached process does it, so `virsh destroy` returns at once.  The
+            # lease turns releasing first, under the lock, so that a `prepare` of
+            # this domain right after waits for the release to end.
+            if arbiter.releaser().begin(self.ref, success, reason):
+                spawn_finish_release(self.config, self.ref, reason, arbiter.owner)
+            return 0
+        # libvirt says the domain has stopped: no need to ask whether it runs.
+        arbiter.release_claimant(self.ref, success=success, reason=reason, force=True)
+        return 0
+
+    def reconnect(self, claim: DomainClaim | None) -> int:
+        """libvirtd restarted and found this domain running: its lease stays as it is."""
+        state = Ledger(self.config.state_dir).read()
+        lease = state.lease_of(self.ref)
+        if lease is not None:
+            log.info(
+                "%s runs on after a libvirtd restart; its %s lease stays", self.ref, lease.mode
+            )
+            return 0
+        if claim is None:
+            return 0
+        acquire = f"`charly-arbiter acquire --{claim.mode} {self.ref} {' '.join(claim.tokens)}`"
+        others = sorted(
+            {other.claimant for token in claim.tokens for other in state.leases_on(token)}
+        )
+        if others:
+            # Its GPU sits in another lease (left stranded while libvirtd was down):
+            # that one must be restored first, acquiring now would only be refused.
+            log.warning(
+                "%s runs with %s but holds no lease; %s still lease it: run "
+                "`charly-arbiter restore --stranded`, then %s",
+                self.ref,
+                ", ".join(claim.tokens),
+                ", ".join(others),
+                acquire,
+            )
+        else:
+            log.warning(
+                "%s runs with %s but holds no lease; run %s",
+                self.ref,
+                ", ".join(claim.tokens),
+                acquire,
+            )
+        return 0
+
+    def migrate(self, claim: DomainClaim | None) -> int:
+        if claim is not None and claim.mode is Mode.EXCLUSIVE:
+            raise ArbiterError(
+                f"{self.ref} cannot migrate: it holds {', '.join(claim.tokens)} exclusively "
+                "(a passed-through GPU stays on its host)",
+                hint=f"shut {self.guest} down and start it on the other host instead",
+            )
+        return 0
+
+
+def spawn_finish_release(config: Config, ref: str, reason: str, owner: ProcessRef) -> None:
+    """Hand the rest of `release` to a process of its own, with nothing of libvirt's.
+
+    The child gets a fixed environment, so it is pointed at the directory this
+    package was loaded from (an installed package, or a checkout on PYTHONPATH).
+    It takes the releasing lease over from `owner` (this hook), which may have
+    exited by the time it looks.
+    """
+    package_parent = str(Path(__file__).resolve().parent.parent.parent)
+    spawn_detached(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); "
+            "from charly_arbiter.libvirt.hookrun import finish_release; "
+            "sys.exit(finish_release(sys.argv[3:]))",
+            package_parent,
+            DETACHED,
+            str(config.path or "-"),
+            str(config.state_dir),
+            config.host,
+            ref,
+            reason or "-",
+            f"{owner.pid}:{owner.start}",
+        ]
+    )
+
+
+def finish_release(argv: list[str]) -> int:
+    """The detached half of `release`: send home, restore holders, drop the lease."""
+    if len(argv) != 6:
+        print(
+            f"charly-arbiter: usage: {DETACHED} CONFIG STATE_DIR HOST CLAIMANT REASON PID:START",
+            file=sys.stderr,
+        )
+        return 2
+    config_path, state_dir, host, ref, reason, began_by = argv
+    reason = "" if reason == "-" else reason
+    pid, _, start = began_by.partition(":")
+    takeover = ProcessRef(int(pid), int(start or "0"))
+    log_setup(1)
+    config = load_config(
+        None if config_path == "-" else Path(config_path), state_dir=Path(state_dir), host=host
+    )
+    log_to_file(config)
+    arbiter = build_arbiter(config)
+    try:
+        arbiter.releaser().finish(ref, reason != "failed", reason, takeover=takeover)
+    finally:
+        arbiter.host.close()
+    return 0
+
+
+def log_to_file(config: Config) -> None:
+    """The steps of every hook call go to `hook_log` when it is set; stderr, which
+    libvirt keeps only on failure, stays at warnings."""
+    if config.hook_log is None:
+        return
+    handler = logging.FileHandler(config.hook_log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger("charly_arbiter")
+    for existing in root.handlers:
+        existing.setLevel(logging.WARNING)
+    root.addHandler(handler)
+    root.setLevel(min(root.level or logging.INFO, logging.INFO))

@@ -1,0 +1,238 @@
+"""`explain`: the state of one token or claimant, in sentences an operator acts on.
+
+It combines three sources that each know part of the story: the ledger (who
+holds what, what was stopped, which steps of an interrupted claim are still
+planned), the host (drivers, what runs) as summarised by `Arbiter.status`,
+and the history (why the last claim was refused or failed, which step a
+killed process was in).  Every problem it names comes with the command that
+fixes it.  Pure: the CLI gathers the facts, this only words them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from charly_arbiter.core.arbiter import Status, TokenStatus
+from charly_arbiter.core.events import describe
+from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState
+from charly_arbiter.ops.history import Record
+
+
+@dataclass(frozen=True)
+class Facts:
+    status: Status
+    boot_id: str
+    history: Sequence[Record]
+    interrupted: frozenset[int]  # indexes into `history` (see history.interrupted)
+    now: datetime
+
+
+def explain_token(name: str, facts: Facts) -> list[str]:
+    token = next(t for t in facts.status.tokens if t.name == name)
+    holding = [lease for lease in facts.status.leases if lease.claimant in token.claimants]
+    label = f"{token.name} ({token.address})"
+    if not holding:
+        sentences = [f"{label} is idle: no lease holds it."]
+    elif token.mode == Mode.EXCLUSIVE:
+        lease = holding[0]
+        sentences = [
+            f"{label} is held exclusively by {lease.claimant} since {_when(lease.created, facts)}."
+        ]
+    else:
+        who = _and([f"{lease.claimant} since {_when(lease.created, facts)}" for lease in holding])
+        sentences = [f"{label} is shared by {who}."]
+    sentences.append(_drivers(token))
+    for lease in holding:
+        sentences += _lease_story(lease, facts)
+    sentences += _poison(token, facts)
+    on_token = [(i, r) for i, r in enumerate(facts.history) if name in r.tokens]
+    sentences += _last_trouble(on_token, facts, f"on {name}")
+    sentences += _interrupted(
+        {r.claimant for r in facts.status.leases if name in r.tokens}, facts, only_token=name
+    )
+    return sentences
+
+
+def explain_claimant(claimant: str, facts: Facts) -> list[str]:
+    sentences: list[str] = []
+    lease = next((x for x in facts.status.leases if x.claimant == claimant), None)
+    if lease is None:
+        sentences.append(f"{claimant} holds no lease.")
+    else:
+        tokens = ", ".join(lease.tokens)
+        sentences.append(
+            f"{claimant} holds {tokens} ({lease.mode}) since {_when(lease.created, facts)}; "
+            f"the lease is {lease.state}."
+        )
+        for token in facts.status.tokens:
+            if token.name in lease.tokens:
+                sentences.append(_drivers(token))
+        sentences += _lease_story(lease, facts, subject="it")
+    for other in facts.status.leases:
+        for record in other.stopped:
+            if record.holder == claimant and not record.restored:
+                done = "was stopped" if record.state is StepState.DONE else "is to be stopped"
+                when = (
+                    f"{other.claimant} releases {'it' if len(other.tokens) == 1 else 'them'}"
+                    if other.mode is Mode.EXCLUSIVE
+                    else f"the last shared lease on {', '.join(other.tokens)} ends"
+                )
+                sentences.append(
+                    f"{claimant} {done} to make room for {other.claimant} on "
+                    f"{', '.join(other.tokens)}; it will be started again when {when}."
+                )
+    about = [
+        (i, r)
+        for i, r in enumerate(facts.history)
+        if claimant in (r.get("claimant"), r.get("holder"))
+    ]
+    sentences += _last_trouble(about, facts, f"by {claimant}", claimant=claimant)
+    sentences += _interrupted({claimant}, facts)
+    if lease is None and not about and len(sentences) == 1:
+        sentences.append("Nothing about it is in the history either.")
+    return sentences
+
+
+def _drivers(token: TokenStatus) -> str:
+    drivers = ", ".join(
+        f"{address} on {driver or 'no driver'}" for address, driver in token.drivers
+    )
+    return f"Its functions: {drivers}."
+
+
+def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list[str]:
+    who = subject or lease.claimant
+    sentences = []
+    waiting = [record for record in lease.stopped if not record.restored]
+    stopped = [r.holder for r in waiting if r.state is StepState.DONE]
+    planned = [r.holder for r in waiting if r.state is not StepState.DONE]
+    if stopped:
+        sentences.append(
+            f"For {lease.claimant}, {_and(stopped)} {'was' if len(stopped) == 1 else 'were'} "
+            f"stopped; {'it' if len(stopped) == 1 else 'they'} will be started again when "
+            + (
+                f"{lease.claimant} releases its lease."
+                if lease.mode is Mode.EXCLUSIVE
+                else f"the last shared lease on {', '.join(lease.tokens)} ends."
+            )
+        )
+    if planned and lease.state is LeaseState.ACQUIRING:
+        sentences.append(f"Its claim had still to stop {_and(planned)}.")
+    pending = [token for token, step in lease.switched if step is not StepState.DONE]
+    if pending and lease.state is LeaseState.ACQUIRING:
+        target = "vfio-pci" if lease.mode is Mode.EXCLUSIVE else "its home driver"
+        sentences.append(f"The switch of {_and(pending)} to {target} was planned but not done.")
+    if pending and lease.state is LeaseState.RELEASING:
+        sentences.append(f"{_and(pending)} had still to be sent home.")
+    if lease.claimant in facts.status.stranded:
+        sentences.append(
+            f"The lease of {lease.claimant} is stranded: {_stranded_why(lease, facts)}. "
+            f"Fix: run `charly-arbiter restore {lease.claimant}` (it brings back what was "
+            "stopped, sends the GPU home and drops the lease)."
+        )
+    elif lease.state is not LeaseState.ACTIVE:
+        by = f" by process {lease.owner.pid}" if lease.owner else ""
+        sentences.append(f"{who[0].upper()}{who[1:]} is {lease.state} right now{by}.")
+    return sentences
+
+
+def _stranded_why(lease: Lease, facts: Facts) -> str:
+    if lease.boot_id != facts.boot_id:
+        return "it was made before the last reboot"
+    if lease.state is not LeaseState.ACTIVE:
+        writer = f" (pid {lease.owner.pid})" if lease.owner else ""
+        return (
+            f"the process that was {lease.state} it{writer} is gone, so the claim stopped half-way"
+        )
+    return f"{lease.claimant} is not running any more"
+
+
+def _poison(token: TokenStatus, facts: Facts) -> list[str]:
+    if not token.poisoned:
+        return []
+    return [
+        f"{token.name} is poisoned since {_when(token.since, facts)}: {token.reason}.",
+        "Nothing will claim or switch it until an operator clears the poison.",
+        f"Fix: check the GPU and its driver by hand (`lspci -nnk -s {token.address}`), "
+        f"then run `charly-arbiter poison clear {token.name}`.",
+    ]
+
+
+def _last_trouble(
+    indexed: Sequence[tuple[int, Record]], facts: Facts, scope: str, claimant: str | None = None
+) -> list[str]:
+    sentences = []
+    refusals = [
+        r for _, r in indexed if r.kind == "refused" and claimant in (None, r.get("claimant"))
+    ]
+    if refusals:
+        last = refusals[-1]
+        sentences.append(
+            f"The last refused claim {scope} was {last.get('claimant')}'s for {last.get('token')}"
+            f" at {_when(last.time, facts)}: {last.get('why')}."
+        )
+    failures = [r for _, r in indexed if r.kind in ("failed", "poisoned", "restore-failed")]
+    if failures:
+        last = failures[-1]
+        sentences.append(
+            f"The last failure {scope} was at {_when(last.time, facts)}: "
+            f"{describe(last.kind, last.fields)}."
+        )
+    return sentences
+
+
+def _interrupted(claimants: set[str], facts: Facts, only_token: str | None = None) -> list[str]:
+    sentences = []
+    for index in sorted(facts.interrupted):
+        record = facts.history[index]
+        if record.get("claimant") not in claimants:
+            continue
+        if only_token is not None and record.tokens and only_token not in record.tokens:
+            continue
+        sentence = (
+            f"The history shows that process {record.pid} was killed at this step, "
+            f"started {_when(record.time, facts)}: {describe(record.kind, record.fields)}"
+        )
+        restored = [
+            later
+            for later in facts.history[index + 1 :]
+            if later.kind == "restore" and later.get("claimant") == record.get("claimant")
+        ]
+        if restored:
+            sentence += f"; `restore` cleaned up after it at {_when(restored[0].time, facts)}"
+        sentences.append(sentence + ".")
+    return sentences
+
+
+def _when(moment: str | datetime, facts: Facts) -> str:
+    """An absolute local time, and how long ago it was."""
+    if isinstance(moment, str):
+        text = moment
+        try:
+            moment = datetime.fromisoformat(text)
+        except ValueError:
+            return text or "an unknown time"
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return f"{moment.astimezone():%Y-%m-%d %H:%M:%S} ({age(facts.now - moment)} ago)"
+
+
+def age(delta: timedelta) -> str:
+    """A short duration: 45 s, 12 min, 3 h 5 min, 2 d 4 h."""
+    seconds = int(max(0.0, delta.total_seconds()))
+    if seconds < 60:
+        return f"{seconds} s"
+    minutes, hours, days = seconds // 60, seconds // 3600, seconds // 86400
+    if hours < 1:
+        return f"{minutes} min"
+    if days < 1:
+        return f"{hours} h {minutes % 60} min"
+    return f"{days} d {hours % 24} h"
+
+
+def _and(names: Sequence[str]) -> str:
+    if len(names) <= 1:
+        return "".join(names)
+    return f"{', '.join(names[:-1])} and {names[-1]}"

@@ -1,0 +1,119 @@
+"""Simulated hosts for the tests, written in one place (docs/simulated-host.md has
+every key).  Each builder returns host.toml text; a fault (`fail_switch = true`,
+...) is an extra line on a device or a holder."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+
+def device(
+    address: str,
+    *,
+    vendor: str = "10de",
+    model: str,
+    pci_class: str,
+    driver: str,
+    group: int | None,
+    extra: str = "",
+) -> str:
+    lines = [
+        "[[devices]]",
+        f'address = "{address}"',
+        f'vendor = "{vendor}"',
+        f'device = "{model}"',
+        f'class = "{pci_class}"',
+        f'driver = "{driver}"',
+    ]
+    if group is not None:
+        lines.append(f"iommu_group = {group}")
+    if extra:
+        lines.append(extra.rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def gpu(
+    address: str,
+    *,
+    group: int,
+    driver: str = "nvidia",
+    vendor: str = "10de",
+    model: str = "2684",
+    extra: str = "",
+) -> str:
+    return device(
+        address,
+        vendor=vendor,
+        model=model,
+        pci_class="030000",
+        driver=driver,
+        group=group,
+        extra=extra,
+    )
+
+
+def audio(
+    address: str, *, group: int, vendor: str = "10de", model: str = "22ba", extra: str = ""
+) -> str:
+    return device(
+        address,
+        vendor=vendor,
+        model=model,
+        pci_class="040300",
+        driver="snd_hda_intel",
+        group=group,
+        extra=extra,
+    )
+
+
+def holder(
+    kind: str,
+    name: str,
+    tokens: Sequence[str],
+    *,
+    preemptible: bool,
+    running: bool = True,
+    extra: str = "",
+) -> str:
+    lines = [
+        "[[holders]]",
+        f'kind = "{kind}"',
+        f'name = "{name}"',
+        "tokens = [" + ", ".join(f'"{token}"' for token in tokens) + "]",
+        f"preemptible = {str(preemptible).lower()}",
+        f"running = {str(running).lower()}",
+    ]
+    if extra:
+        lines.append(extra.rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def host(*sections: str, real_holders: Iterable[str] = (), top: str = "") -> str:
+    """A whole host.toml: top-level keys first, then devices and holders in order."""
+    head = []
+    if real_holders:
+        head.append("real_holders = [" + ", ".join(f'"{k}"' for k in real_holders) + "]")
+    if top:
+        head.append(top.rstrip("\n"))
+    return "\n".join([*head, *sections])
+
+
+def default_host(
+    *,
+    gpu0: str = "",
+    gpu1: str = "",
+    llm: str = "",
+    ollama: str = "",
+    dm_preemptible: bool = False,
+) -> str:
+    """One GPU with its audio function (gpu0, group 12), a second GPU alone (gpu1,
+    group 13), two preemptible holders of gpu0 and a display manager on gpu1;
+    each keyword adds fault lines to that device or holder."""
+    return host(
+        gpu("0000:0a:00.0", group=12, extra=gpu0),
+        audio("0000:0a:00.1", group=12),
+        gpu("0000:0b:00.0", group=13, model="2204", extra=gpu1),
+        holder("container", "llm", ["gpu0"], preemptible=True, extra=llm),
+        holder("systemd", "ollama.service", ["gpu0"], preemptible=True, extra=ollama),
+        holder("systemd", "display-manager.service", ["gpu1"], preemptible=dm_preemptible),
+    )
