@@ -1046,6 +1046,7 @@ class ArbiterMachine(RuleBasedStateMachine):
         self.host.set_running(claimant, False)
         self.change(lambda world: world.with_running(claimant, False))
         self.gone.add(claimant)
+        self.check(f"{claimant} died")
 
     @rule()
     def reboot(self) -> None:
