@@ -59,6 +59,8 @@ install-python:
 		"$(DESTDIR)" "$(PREFIX)" "$(BINDIR)"
 
 install-data: man completions
+	@# the program itself: two lines, not the installers' launcher (it imports re)
+	$(PYTHON) packaging/launcher.py $(DESTDIR)$(BINDIR)/charly-arbiter $(PYTHON)
 	install -d -m 0755 $(DESTDIR)$(dir $(HOOK))
 	install -m 0755 hooks/qemu $(DESTDIR)$(HOOK)
 	install -d -m 0755 $(DESTDIR)$(SYSCONFDIR)/charly-arbiter

@@ -61,7 +61,7 @@ def cycle_latency(env: dict[str, str], cycles: int) -> float:
     for _ in range(cycles):
         started = time.perf_counter()
         timed(cli("acquire", "--exclusive", "libvirt:bench", "gpu0"), env)
-        timed(cli("release", "libvirt:bench"), env)
+        timed(cli("release", "--force", "libvirt:bench"), env)
         samples.append(time.perf_counter() - started)
     return statistics.median(samples)
 

@@ -11,7 +11,10 @@ a traceback only with `-v`.
 from __future__ import annotations
 
 import sys
-from typing import NoReturn
+
+TYPE_CHECKING = False  # not typing's: the hook's path imports no `typing` at run time
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 COMMANDS = {
     "status": "charly_arbiter.cli.status:status",

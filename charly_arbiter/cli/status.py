@@ -28,7 +28,10 @@ def status(app: App, as_json: bool) -> None:
     """Show leases, tokens (mode, driver, poison) and stranded claimants."""
     result = app.arbiter().status()
     if as_json:
-        click.echo(json.dumps(status_document(result), indent=2, sort_keys=True))
+        # Indented for a person; one line for a program (json's C encoder, which
+        # indenting bypasses, is ten times faster with many leases).
+        indent = 2 if sys.stdout.isatty() else None
+        click.echo(json.dumps(status_document(result), indent=indent, sort_keys=True))
     else:
         click.echo(render(result, colour=sys.stdout.isatty()))
     if result.corrupt:

@@ -1,4 +1,4 @@
-"""`/etc/charly-arbiter/arbiter.toml`: read with tomlkit, validated with clear errors.
+"""`/etc/charly-arbiter/arbiter.toml`: read with tomllib, validated with clear errors.
 
 libvirt runs its hooks with a minimal environment, so the configuration file
 is how the hook finds the state directory, the host and the libvirt URI.
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import stat
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -124,9 +125,6 @@ def load_config(
 
 
 def _read_table(path: Path) -> dict[str, Any]:
-    import tomlkit  # only the configuration path pays for tomlkit's import
-    from tomlkit.exceptions import TOMLKitError
-
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as error:
@@ -144,8 +142,8 @@ def _read_table(path: Path) -> dict[str, Any]:
     if len(text) > MAX_CONFIG_BYTES:
         raise ConfigError(path, None, f"is larger than {MAX_CONFIG_BYTES} bytes")
     try:
-        return tomlkit.parse(text).unwrap()
-    except (TOMLKitError, RecursionError, ValueError) as error:
+        return tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, RecursionError, ValueError) as error:
         raise ConfigError(path, None, f"is not valid TOML: {error}") from None
 
 

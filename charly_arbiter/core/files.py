@@ -12,6 +12,7 @@ sentence and nothing is touched.  Locks are flocks taken within a deadline.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
 import time
@@ -45,13 +46,15 @@ def check_directory(directory: Path, *, create: bool) -> None:
     check_owner_and_mode(directory, info)
 
 
-def check_existing(path: Path, *, single_link: bool = False) -> None:
-    """A state file that may or may not exist: if it does, it must be a safe one."""
+def check_existing(path: Path, *, single_link: bool = False) -> os.stat_result | None:
+    """A state file that may or may not exist: if it does, it must be a safe one
+    (its lstat is returned; None when there is none)."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
-        return
+        return None
     _check_file_info(path, info, single_link)
+    return info
 
 
 def open_checked(path: Path, flags: int, mode: int = 0o600, *, single_link: bool = True) -> int:
@@ -78,15 +81,19 @@ def open_checked(path: Path, flags: int, mode: int = 0o600, *, single_link: bool
 
 def lock_within(handle: IO[str], timeout: float) -> bool:
     """Take an exclusive flock on an open lock file, polling until `timeout`;
-    False when it stayed busy.  (portalocker's flock: the one lock primitive.)"""
-    import portalocker
+    False when it stayed busy.
 
+    flock(2) is the one lock primitive of the arbiter (the ledger, the history,
+    the simulated host): released by the kernel when its holder dies, never
+    stale, and taken here without a library (portalocker's import costs more
+    than starting the interpreter, on every claim).
+    """
     deadline = time.monotonic() + timeout
     while True:
         try:
-            portalocker.lock(handle, portalocker.LOCK_EX | portalocker.LOCK_NB)
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
-        except portalocker.exceptions.LockException:
+        except BlockingIOError:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(_POLL)

@@ -24,7 +24,7 @@ from pathlib import Path
 from charly_arbiter.core import files, ledger_format
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.model import LedgerState
-from charly_arbiter.errors import LedgerBusy, LedgerCorrupt, LedgerWriteFailed
+from charly_arbiter.errors import LedgerBusy, LedgerCorrupt, LedgerWriteFailed, StateDirUnsafe
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ LEDGER = "ledger.toml"
 BACKUP = "ledger.toml.bak"
 LOCK = "ledger.lock"
 TEMP = "ledger.toml.tmp"
+CACHE = "ledger.cache.json"  # a JSON copy, used only for the ledger it was made from
 _POLL = 0.02
 
 
@@ -57,6 +58,8 @@ class Ledger:
         self.backup = state_dir / BACKUP
         self.lock_path = state_dir / LOCK
         self.lock_timeout = lock_timeout
+        # The bytes decoded last, and their state.
+        self._decoded: tuple[bytes, LedgerState] | None = None
 
     # -- reading ---------------------------------------------------------------
 
@@ -166,6 +169,28 @@ class Ledger:
             )
         except OSError as error:
             raise LedgerWriteFailed(self.path, f"{error.strerror or error}") from error
+        self._decoded = (data, state)  # the next transaction reads what was just written
+        self._write_cache_unlocked(state, ledger_format.checksum_of(data))
+
+    def _write_cache_unlocked(self, state: LedgerState, digest: str) -> None:
+        """The JSON copy readers may use instead of parsing the TOML; not durable and
+        not needed: a missing, stale or damaged one is simply not used."""
+        cache, temp = self.state_dir / CACHE, self.state_dir / f"{CACHE}.tmp"
+        try:
+            temp.unlink(missing_ok=True)
+            files.replace_file(
+                cache, ledger_format.encode_cache(state, digest), temp=temp, durable=False
+            )
+        except OSError as error:
+            log.warning("could not write %s: %s", cache, error)
+
+    def _cache_bytes(self) -> bytes | None:
+        cache = self.state_dir / CACHE
+        try:
+            files.check_existing(cache, single_link=True)
+            return cache.read_bytes()
+        except (OSError, StateDirUnsafe):
+            return None
 
     def _link_backup_unlocked(self) -> None:
         """Make `.bak` the current generation without a moment where it is absent."""
@@ -177,20 +202,27 @@ class Ledger:
         os.replace(staging, self.backup)
 
     def _remove_stray_temp_unlocked(self) -> None:
-        for name in (TEMP, f"{BACKUP}.tmp"):
+        for name in (TEMP, f"{BACKUP}.tmp", f"{CACHE}.tmp"):
             if files.remove_stray(self.state_dir / name):
                 log.info("removed %s, left by an interrupted write", self.state_dir / name)
 
     def _load_file(self, path: Path) -> LedgerState:
-        self._check_file(path)
+        """The state in `path`, decoded once per content in this process: the bytes are
+        read every time (cheap), the TOML parsed only when they differ from those
+        decoded last (a claim reads the ledger in every one of its transactions)."""
+        files.check_existing(path, single_link=False)
         try:
             data = path.read_bytes()
         except OSError as error:
             raise LedgerCorrupt(path, f"cannot be read: {error}") from error
+        if self._decoded is not None and self._decoded[0] == data:
+            return self._decoded[1]
         try:
-            return ledger_format.decode(data)
+            state = ledger_format.decode(data, self._cache_bytes() if path == self.path else None)
         except ledger_format.FormatError as error:
             raise LedgerCorrupt(path, str(error)) from error
+        self._decoded = (data, state)
+        return state
 
     # -- locking -------------------------------------------------------------------
 
@@ -214,10 +246,6 @@ class Ledger:
 
     def _check_state_dir(self, create: bool) -> None:
         files.check_directory(self.state_dir, create=create)
-
-    def _check_file(self, path: Path) -> None:
-        # The ledger may have two links for a moment (while its backup is made).
-        files.check_existing(path, single_link=False)
 
 
 def _lock_holder(handle: object) -> int | None:

@@ -9,6 +9,7 @@ type-checked, and anything unexpected is corruption, not a default.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import tomllib
 from typing import Any
@@ -37,23 +38,102 @@ class FormatError(Exception):
 
 def encode(state: LedgerState) -> bytes:
     """Serialize, then re-parse the result in memory before anyone writes it."""
-    import tomlkit  # only writers pay for its import; reading uses tomllib
-
-    body = tomlkit.dumps(_to_document(state)).encode("utf-8")
+    body = _dump(_to_document(state)).encode("utf-8")
     data = b'checksum = "sha256:' + hashlib.sha256(body).hexdigest().encode() + b'"\n' + body
     if decode(data) != state:
         raise FormatError("the serialized ledger does not read back as the same state")
     return data
 
 
-def decode(data: bytes) -> LedgerState:
+def _dump(document: dict[str, Any]) -> str:
+    """The ledger's TOML, written directly: its shape is fixed, and a general writer
+    (tomlkit) costs more than the rest of a claim.  `encode` re-parses the result, so
+    a mistake here is a refused write, never a wrong ledger."""
+    lines = [f"schema = {document['schema']}", f"generation = {document['generation']}"]
+    # Empty tables and arrays are top-level keys, which must come before any [table].
+    lines += [f"{key} = {{}}" for key in ("homes", "poisoned") if not document[key]]
+    lines += ["leases = []"] if not document["leases"] else []
+    lines.append("")
+    for token, home in document["homes"].items():
+        lines.append(f"[homes.{_string(token)}]")
+        lines += [f"{_string(address)} = {_string(driver)}" for address, driver in home.items()]
+        lines.append("")
+    for token, poison in document["poisoned"].items():
+        lines.append(f"[poisoned.{_string(token)}]")
+        lines += [f"{key} = {_value(value)}" for key, value in poison.items()]
+        lines.append("")
+    for lease in document["leases"]:
+        lines.append("[[leases]]")
+        lines += [f"{key} = {_value(value)}" for key, value in lease.items()]
+        lines.append("")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return _string(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_value(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_string(k)} = {_value(v)}" for k, v in value.items()) + "}"
+    raise FormatError(f"cannot write a {type(value).__name__}")
+
+
+_ESCAPES = {
+    '"': '\\"',
+    "\\": "\\\\",
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _string(text: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped."""
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    out = []
+    for char in text:
+        if char in _ESCAPES:
+            out.append(_ESCAPES[char])
+        elif ord(char) < 0x20 or ord(char) == 0x7F:
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
+def checksum_of(data: bytes) -> str:
+    """The ledger's checksum, once it verifies; `FormatError` when it does not."""
+    return _verified(data)[0]
+
+
+def _verified(data: bytes) -> tuple[str, bytes]:
     match = _FIRST_LINE.match(data)
     if match is None:
         what = "empty" if not data else "no checksum line"
         raise FormatError(f"{what} (truncated or not a ledger)")
-    body = data[match.end() :]
-    if hashlib.sha256(body).hexdigest() != match.group(1).decode():
+    digest, body = match.group(1).decode(), data[match.end() :]
+    if hashlib.sha256(body).hexdigest() != digest:
         raise FormatError("checksum mismatch (the file was changed or damaged)")
+    return digest, body
+
+
+def decode(data: bytes, cached: bytes | None = None) -> LedgerState:
+    """The state in a ledger's bytes.  `cached` is the JSON copy written beside it
+    (`encode_cache`): used only when it was made from exactly these bytes and is
+    intact itself, since parsing TOML costs a hundred times more than JSON."""
+    digest, body = _verified(data)
+    if cached is not None:
+        state = decode_cache(cached, digest)
+        if state is not None:
+            return state
     try:
         document = tomllib.loads(body.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError, ValueError) as error:
@@ -62,6 +142,30 @@ def decode(data: bytes) -> LedgerState:
         return _from_document(document)
     except (KeyError, TypeError, ValueError, InvalidClaimant) as error:
         raise FormatError(f"unexpected content: {error}") from error
+
+
+def encode_cache(state: LedgerState, digest: str) -> bytes:
+    """A JSON copy of `state`, naming the checksum of the ledger it was made from, with
+    a checksum of its own on its first line."""
+    body = json.dumps(
+        {"ledger": digest, "state": _to_document(state)}, ensure_ascii=False, separators=(",", ":")
+    ).encode("utf-8")
+    return b"sha256:" + hashlib.sha256(body).hexdigest().encode() + b"\n" + body
+
+
+def decode_cache(data: bytes, digest: str) -> LedgerState | None:
+    """The state in a JSON copy made from the ledger with checksum `digest`; None when
+    it was made from another generation or does not verify (the TOML decides then)."""
+    first, _, body = data.partition(b"\n")
+    if first != b"sha256:" + hashlib.sha256(body).hexdigest().encode():
+        return None
+    try:
+        document = json.loads(body)
+        if not isinstance(document, dict) or document.get("ledger") != digest:
+            return None
+        return _from_document(document["state"])
+    except (ValueError, KeyError, TypeError, RecursionError, InvalidClaimant):
+        return None
 
 
 def _to_document(state: LedgerState) -> dict[str, Any]:

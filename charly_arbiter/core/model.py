@@ -18,6 +18,7 @@ HOME = "home"  # how a switch to each function's own home driver is named to peo
 
 _KIND = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 _MAX_NAME = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def target_label(driver: str) -> str:
@@ -98,7 +99,7 @@ class Claimant(str):
             raise InvalidClaimant(text, "the kind must be a lower-case word such as libvirt")
         if not name or len(name) > _MAX_NAME:
             raise InvalidClaimant(text, f"the name must have 1 to {_MAX_NAME} characters")
-        if any(ord(char) < 32 or ord(char) == 127 for char in name):
+        if _CONTROL.search(name):
             raise InvalidClaimant(text, "the name contains control characters")
         if kind == "process" and not name.isdigit():
             raise InvalidClaimant(text, "a process claimant is process:PID")

@@ -15,7 +15,6 @@ import logging
 import os
 import time
 import tomllib
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -95,7 +94,7 @@ class SimHost:
 
     def _fresh_state(self) -> dict[str, Any]:
         return {
-            "boot_id": str(uuid.uuid4()),
+            "boot_id": _new_boot_id(),
             "drivers": {d["address"]: d.get("driver", "") for d in self._devices()},
             "running": {_ref(h): bool(h.get("running", False)) for h in self._holder_specs()},
             "unknown_alive": True,
@@ -278,6 +277,12 @@ class SimHost:
             fresh["log"] = [*state["log"], "reboot"]
             state.clear()
             state.update(fresh)
+
+
+def _new_boot_id() -> str:
+    """A random id in the kernel's boot_id form (uuid would import platform: costly here)."""
+    raw = os.urandom(16).hex()
+    return f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:]}"
 
 
 def _ref(spec: Mapping[str, Any]) -> Claimant:

@@ -1,9 +1,12 @@
 """`charly-arbiter hook qemu GUEST OP SUBOP EXTRA`: what libvirt's qemu hook runs.
 
 libvirt waits for this on every VM start and stop, so the path for a domain
-that claims nothing imports almost nothing: the XML is scanned as bytes and
-the hook exits before the configuration, the ledger or libvirt are loaded.
-Everything after the scan is `hookrun`, imported here and only here, lazily.
+that claims nothing imports almost nothing (`os` and `sys`): hooks/qemu has
+already let through only the operations handled here and XML that mentions a
+hostdev or a claim element; this scans the XML's bytes once more and looks at
+each PCI hostdev's class in sysfs, so that a VM with a NIC or a USB controller
+passed through is let go before the configuration, the ledger or libvirt are
+loaded.  Everything after that is `hookrun`, imported here and only here.
 
 Contract (docs/libvirt.md): nothing on stdout (libvirt reads it as XML for
 some operations); `prepare` refuses with a non-zero exit and one or two
@@ -26,6 +29,10 @@ MAX_XML = 16 << 20
 # Without one of these bytes the XML cannot claim (the domainxml rules, without
 # importing them: the fast path stays at the cost of starting Python).
 CLAIM_MARKERS = (b"hostdev", b"https://charly-arbiter.org/xmlns/claim/1")
+# Where the fast path looks (the only roots it knows; the slow path has Roots).
+SYS_ROOT = "/sys"
+CONFIG = "/etc/charly-arbiter/arbiter.toml"  # core/config.DEFAULT_CONFIG, without importing it
+DISPLAY_CLASS = "0x03"
 USAGE = "usage: charly-arbiter hook qemu GUEST OPERATION SUB-OPERATION EXTRA"
 
 
@@ -65,11 +72,106 @@ def _dispatch(guest: str, operation: str, extra: str) -> int:
             "shorten its <description> or metadata",
         )
         return 1
-    if not oversized and not any(marker in xml for marker in CLAIM_MARKERS):
-        return 0  # the fast path: no hostdev, no claim element
+    if not oversized and not may_claim(xml):
+        return 0  # the fast path: no GPU hostdev, no claim element
     from charly_arbiter.libvirt import hookrun
 
     return hookrun.dispatch(guest, operation, extra, None if oversized else xml)
+
+
+def may_claim(xml: bytes, sys_root: str | None = None, config: str | None = None) -> bool:
+    """Whether the domain may claim a GPU; False only when sure it cannot.
+
+    Sure means: no claim element, and every hostdev is a PCI function whose class
+    in sysfs is not a display controller, with no display function in its IOMMU
+    group (an audio function passed alone still claims its GPU's token), and
+    whose address the configuration does not name (a token may be anything).
+    Anything unexpected (an mdev, an address not in sysfs, an odd XML) says
+    "may": the slow path parses it properly.
+    """
+    if CLAIM_MARKERS[1] in xml:
+        return True
+    if CLAIM_MARKERS[0] not in xml:
+        return False
+    addresses = _pci_hostdev_addresses(xml)
+    if addresses is None:
+        return True
+    if any(_near_a_display(address, sys_root or SYS_ROOT) for address in addresses):
+        return True
+    return _config_decides(addresses, config)
+
+
+def _pci_hostdev_addresses(xml: bytes) -> list[str] | None:
+    """The source address of every PCI hostdev; None where a hostdev is not plainly one."""
+    addresses = []
+    for chunk in xml.split(b"<hostdev")[1:]:
+        head, _, body = chunk.partition(b">")
+        if b"type='pci'" not in head and b'type="pci"' not in head:
+            if b"type='usb'" in head or b'type="usb"' in head:
+                continue  # a USB device is never a GPU
+            return None
+        source = body.partition(b"</source>")[0].partition(b"<source")[2]
+        address = _address(source.partition(b"<address")[2].partition(b">")[0])
+        if address is None:
+            return None
+        addresses.append(address)
+    return addresses
+
+
+def _address(attributes: bytes) -> str | None:
+    """`domain='0x0000' bus='0x0a' slot='0x00' function='0x0'` -> `0000:0a:00.0`."""
+    parts = []
+    for name in (b"domain", b"bus", b"slot", b"function"):
+        _, found, rest = attributes.partition(b" " + name + b"=")
+        if not found or rest[:1] not in (b"'", b'"'):
+            return None
+        value = rest[1:].partition(rest[:1])[0]
+        try:
+            parts.append(int(value, 16))
+        except ValueError:
+            return None
+    domain, bus, slot, function = parts
+    if not (0 <= bus <= 0xFF and 0 <= slot <= 0x1F and 0 <= function <= 7 and domain >= 0):
+        return None
+    return f"{domain:04x}:{bus:02x}:{slot:02x}.{function:x}"
+
+
+def _near_a_display(address: str, sys_root: str) -> bool:
+    """A display function, or one in the IOMMU group (or, without one, the slot) of one;
+    unknown counts as yes."""
+    device = f"{sys_root}/bus/pci/devices/{address}"
+    group = f"{device}/iommu_group/devices"
+    try:
+        members = os.listdir(group) if os.path.isdir(group) else None
+        if members is None:
+            slot = address.rpartition(".")[0]
+            members = [m for m in os.listdir(f"{sys_root}/bus/pci/devices") if m.startswith(slot)]
+        if address not in members:
+            return True
+        for member in members:
+            with open(f"{sys_root}/bus/pci/devices/{member}/class") as handle:
+                if handle.read().startswith(DISPLAY_CLASS):
+                    return True
+    except OSError:
+        return True
+    return False
+
+
+def _config_decides(addresses: list[str], config: str | None) -> bool:
+    """Whether the configuration must be read after all: it mentions one of the
+    addresses (a token may be anything), or its host is simulated (sysfs then
+    says nothing about the host's PCI).  The bytes are scanned, not parsed."""
+    if os.environ.get("CHARLY_ARBITER_HOST", "").startswith("sim:"):
+        return True
+    path = config or os.environ.get("CHARLY_ARBITER_CONFIG") or CONFIG
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return b"sim:" in text or any(address.encode() in text for address in addresses)
 
 
 def _read_stdin() -> bytes:

@@ -18,7 +18,6 @@ from pathlib import Path
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.events import Events, Sink
 from charly_arbiter.ops.history import HistoryLog
-from charly_arbiter.ops.journal import JournalSink
 
 JOURNAL_SOCKET = Path("/run/systemd/journal/socket")
 ENV_JOURNAL_SOCKET = "CHARLY_ARBITER_JOURNAL_SOCKET"
@@ -35,6 +34,8 @@ def events_for(
     sinks: list[Sink] = [history.append]
     socket_path = journal_socket or _journal_socket(config, environ)
     if socket_path is not None:
+        from charly_arbiter.ops.journal import JournalSink  # (socket: only when there is one)
+
         sinks.append(JournalSink(socket_path))
     if progress:
         from charly_arbiter.ops.progress import Progress

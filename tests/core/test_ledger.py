@@ -12,7 +12,7 @@ import pytest
 
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Lease, LeaseState, Mode
-from charly_arbiter.errors import LedgerWriteFailed
+from charly_arbiter.errors import LedgerCorrupt, LedgerWriteFailed
 
 
 def lease(name: str) -> Lease:
@@ -42,9 +42,11 @@ def test_every_write_is_a_new_checksummed_generation_with_the_previous_as_backup
         pass  # nothing changed: nothing written
     assert ledger.read().generation == 2
     assert stat.S_IMODE(os.stat(ledger.state_dir).st_mode) == 0o700
-    for path in (ledger.path, ledger.backup, ledger.lock_path):
+    cache = ledger.state_dir / "ledger.cache.json"
+    for path in (ledger.path, ledger.backup, ledger.lock_path, cache):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
     assert sorted(p.name for p in ledger.state_dir.iterdir()) == [
+        "ledger.cache.json",
         "ledger.lock",
         "ledger.toml",
         "ledger.toml.bak",
@@ -120,3 +122,125 @@ def test_a_reader_overtaken_by_the_first_two_writes_does_not_call_the_ledger_cor
     reader.path = OvertakenPath(reader.path)
     assert reader.read().leases == ()
     assert raced and writer.backup.exists()
+
+
+# -- the format: whatever the state holds, it reads back the same ----------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from charly_arbiter.core import ledger_format  # noqa: E402
+from charly_arbiter.core.model import (  # noqa: E402
+    Claimant,
+    LedgerState,
+    Poison,
+    StepState,
+    StoppedHolder,
+)
+
+# Any text a name may hold: quotes, backslashes, tabs, other scripts, separators.
+names = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters=":"),
+    min_size=1,
+    max_size=20,
+)
+texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=30)
+claimants = st.builds(
+    lambda kind, name: Claimant.of(kind, name), st.sampled_from(["libvirt", "container"]), names
+)
+tokens = st.lists(
+    st.from_regex(r"[a-z0-9._-]{1,8}", fullmatch=True), min_size=1, max_size=3, unique=True
+)
+records = st.builds(
+    StoppedHolder,
+    holder=claimants,
+    state=st.sampled_from(StepState),
+    shared_tokens=tokens.map(tuple),
+    restored=st.booleans(),
+    tokens=tokens.map(tuple),
+)
+leases = st.builds(
+    Lease,
+    claimant=claimants,
+    mode=st.sampled_from(Mode),
+    tokens=tokens.map(tuple),
+    state=st.sampled_from(LeaseState),
+    transient=st.booleans(),
+    boot_id=texts,
+    created=texts,
+    owner_pid=st.integers(0, 2**22),
+    owner_start=st.integers(0, 2**40),
+    stopped=st.lists(records, max_size=3).map(tuple),
+    note=texts,
+)
+states = st.builds(
+    LedgerState,
+    generation=st.integers(0, 2**40),
+    leases=st.lists(leases, max_size=4, unique_by=lambda lease: lease.claimant).map(tuple),
+    homes=st.dictionaries(
+        st.from_regex(r"[a-z0-9]{1,6}", fullmatch=True),
+        st.dictionaries(
+            st.from_regex(r"0000:0[0-9a-f]:00\.[0-7]", fullmatch=True), texts, max_size=3
+        ).map(lambda d: tuple(sorted(d.items()))),
+        max_size=3,
+    ).map(lambda d: tuple(sorted(d.items()))),
+    poisoned=st.dictionaries(
+        st.from_regex(r"[a-z0-9]{1,6}", fullmatch=True),
+        st.builds(Poison, texts, texts),
+        max_size=2,
+    ).map(lambda d: tuple(sorted(d.items()))),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(states)
+def test_every_state_reads_back_as_it_was_written(state):
+    data = ledger_format.encode(state)  # encode itself re-parses and compares
+    assert ledger_format.decode(data) == state
+
+
+# -- the JSON copy beside the ledger: used only for the bytes it was made from -------
+
+
+def two_generations(tmp_path):
+    ledger = Ledger(tmp_path / "state")
+    with ledger.transaction() as txn:
+        txn.state = txn.state.with_lease(lease("container:a"))
+    old_cache = (ledger.state_dir / "ledger.cache.json").read_bytes()
+    with ledger.transaction() as txn:
+        txn.state = txn.state.with_lease(lease("container:b"))
+    return ledger, old_cache
+
+
+def test_the_json_copy_is_what_a_reader_uses_for_its_ledger(tmp_path):
+    ledger, _ = two_generations(tmp_path)
+    cache = ledger.state_dir / "ledger.cache.json"
+    digest = ledger_format.checksum_of(ledger.path.read_bytes())
+    # A copy made from these very bytes is believed: put another state in it to see it.
+    marked = LedgerState(generation=99, leases=(lease("container:from-the-copy"),))
+    cache.write_bytes(ledger_format.encode_cache(marked, digest))
+    assert Ledger(ledger.state_dir).read() == marked
+
+
+def test_a_stale_or_damaged_json_copy_is_not_used(tmp_path):
+    ledger, old_cache = two_generations(tmp_path)
+    cache = ledger.state_dir / "ledger.cache.json"
+    truth = [lease.claimant for lease in Ledger(ledger.state_dir).read().leases]
+    assert truth == ["container:a", "container:b"]
+    cache.write_bytes(old_cache)  # made from the previous generation
+    assert [x.claimant for x in Ledger(ledger.state_dir).read().leases] == truth
+    damaged = bytearray(ledger_format.encode_cache(LedgerState(), "0" * 64))
+    damaged[-5] ^= 1
+    cache.write_bytes(bytes(damaged))
+    assert [x.claimant for x in Ledger(ledger.state_dir).read().leases] == truth
+    cache.write_bytes(b"")
+    assert [x.claimant for x in Ledger(ledger.state_dir).read().leases] == truth
+
+
+def test_a_json_copy_never_hides_a_corrupt_ledger(tmp_path):
+    ledger, _ = two_generations(tmp_path)
+    data = bytearray(ledger.path.read_bytes())
+    data[len(data) // 2] ^= 1
+    ledger.path.write_bytes(bytes(data))
+    with pytest.raises(LedgerCorrupt):
+        Ledger(ledger.state_dir).read()

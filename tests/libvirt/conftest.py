@@ -410,7 +410,7 @@ def libvirt_environment(work: Path, with_hook: bool = True) -> Iterator[Libvirt]
     """A running libvirtd (with the hook unless `with_hook` is false) under the session lock.
 
     Everything it touches under /etc is restored when the block ends; the
-    daemons it started are stopped.  Used by the tests and by bench/bench_hook.py.
+    daemons it started are stopped.  Used by the tests and by bench/bench_costs.py.
     """
     os.chmod(work, 0o700)
     sim_dir, state_dir = work / "host", work / "state"

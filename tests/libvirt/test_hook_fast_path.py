@@ -62,20 +62,203 @@ def test_fast_path_markers_match_the_claim_rules() -> None:
     assert not any(marker in PLAIN for marker in CLAIM_MARKERS)
 
 
-def test_hook_script_hands_arguments_and_stdin_on(tmp_path: Path) -> None:
-    script = (REPO / "hooks" / "qemu").read_text()
+def script_with_fake(tmp_path: Path) -> Path:
+    """hooks/qemu pointed at a fake charly-arbiter that shows what it was given."""
     fake = tmp_path / "charly-arbiter"
     fake.write_text('#!/bin/sh\nprintf "%s|" "$@" >&2; cat >&2; exit 3\n')
     fake.chmod(0o755)
     hook = tmp_path / "qemu"
-    hook.write_text(script.replace("/usr/bin/charly-arbiter", str(fake)))
+    hook.write_text(
+        (REPO / "hooks" / "qemu").read_text().replace("/usr/bin/charly-arbiter", str(fake))
+    )
     hook.chmod(0o755)
+    return hook
+
+
+# Bytes a shell could mangle: escapes, format characters, UTF-8, CR, final newlines.
+ODD_XML = (
+    "<domain><name>n</name><description>100% \\n $(x) `y` \u00e9\r</description>"
+    "<devices><hostdev mode='subsystem' type='pci'/></devices></domain>\n\n\n"
+).encode()
+
+
+def test_hook_script_hands_arguments_and_stdin_on_byte_for_byte(tmp_path: Path) -> None:
     result = subprocess.run(
-        [str(hook), "odd name;$(x)", "prepare", "begin", "-"],
-        input=PLAIN,
+        [str(script_with_fake(tmp_path)), "odd name;$(x)", "prepare", "begin", "-"],
+        input=ODD_XML,
         capture_output=True,
         timeout=10,
     )
     assert result.returncode == 3
     assert result.stdout == b""
-    assert result.stderr == b"hook|qemu|odd name;$(x)|prepare|begin|-|" + PLAIN
+    assert result.stderr == b"hook|qemu|odd name;$(x)|prepare|begin|-|" + ODD_XML
+
+
+@pytest.mark.parametrize(
+    ("operation", "xml"),
+    [
+        (["prepare", "begin", "-"], PLAIN),  # no hostdev, no claim element
+        (["release", "end", "destroyed"], PLAIN),
+        (["started", "begin", "-"], ODD_XML),  # an operation the arbiter does not handle
+        (["stopped", "end", "-"], ODD_XML),
+        (["prepare", "end", "-"], ODD_XML),
+    ],
+)
+def test_hook_script_starts_no_python_where_none_is_needed(
+    tmp_path: Path, operation: list[str], xml: bytes
+) -> None:
+    result = subprocess.run(
+        [str(script_with_fake(tmp_path)), "vm", *operation],
+        input=xml,
+        capture_output=True,
+        timeout=10,
+    )
+    assert (result.returncode, result.stdout, result.stderr) == (0, b"", b"")
+
+
+# -- the fast path's own decision: a hostdev that is not a GPU needs no Python beyond it --
+
+
+def fake_sysfs(root: Path, devices: dict[str, tuple[str, int | None]]) -> Path:
+    """A sysfs tree with `address -> (class, IOMMU group or None)`: the two things
+    the fast path reads, laid out as the kernel lays them out."""
+    for address, (pci_class, group) in devices.items():
+        device = root / "bus/pci/devices" / address
+        device.mkdir(parents=True)
+        (device / "class").write_text(f"{pci_class}\n")
+        if group is not None:
+            members = root / "kernel/iommu_groups" / str(group) / "devices"
+            members.mkdir(parents=True, exist_ok=True)
+            (members / address).symlink_to(device)
+            (device / "iommu_group").symlink_to(root / "kernel/iommu_groups" / str(group))
+    return root
+
+
+def pci_hostdev(source: str, guest: str = "0000:05:00.0", kind: str = "pci") -> str:
+    def attributes(address: str) -> str:
+        domain, bus, rest = address.split(":")
+        slot, function = rest.split(".")
+        return f"domain='0x{domain}' bus='0x{bus}' slot='0x{slot}' function='0x{function}'"
+
+    return (
+        f"<hostdev mode='subsystem' type='{kind}' managed='yes'>"
+        f"<source><address {attributes(source)}/></source>"
+        f"<address type='pci' {attributes(guest)}/></hostdev>"
+    )
+
+
+def xml_with(*hostdevs: str, extra: str = "") -> bytes:
+    return f"<domain><name>v</name>{extra}<devices>{''.join(hostdevs)}</devices></domain>".encode()
+
+
+SYSFS = {
+    "0000:03:00.0": ("0x020000", 5),  # a NIC alone in its group
+    "0000:0a:00.0": ("0x030000", 12),  # a GPU
+    "0000:0a:00.1": ("0x040300", 12),  # its HDMI audio function
+    "0000:0c:00.0": ("0x0c0330", None),  # a USB controller, no IOMMU group
+}
+
+
+@pytest.mark.parametrize(
+    ("xml", "expected"),
+    [
+        pytest.param(PLAIN, False, id="no-hostdev"),
+        pytest.param(xml_with(pci_hostdev("0000:03:00.0")), False, id="a-nic"),
+        pytest.param(xml_with(pci_hostdev("0000:0c:00.0")), False, id="usb-controller-by-slot"),
+        pytest.param(xml_with(pci_hostdev("0000:0a:00.0")), True, id="a-gpu"),
+        pytest.param(xml_with(pci_hostdev("0000:0a:00.1")), True, id="a-gpus-audio-alone"),
+        pytest.param(
+            xml_with(pci_hostdev("0000:03:00.0"), pci_hostdev("0000:0a:00.0")), True, id="nic+gpu"
+        ),
+        pytest.param(
+            xml_with(pci_hostdev("0000:03:00.0", guest="0000:0a:00.0")), False, id="guest-address"
+        ),
+        pytest.param(xml_with(pci_hostdev("0000:0f:00.0")), True, id="not-in-sysfs"),
+        pytest.param(xml_with(pci_hostdev("0000:03:00.0", kind="mdev")), True, id="mdev"),
+        pytest.param(
+            xml_with(
+                "<hostdev mode='subsystem' type='usb'><source><vendor id='0x1'/></source></hostdev>"
+            ),
+            False,
+            id="usb-device",
+        ),
+        pytest.param(
+            xml_with(
+                "<hostdev mode='subsystem' type='pci'><source><address bus='0x03'/>"
+                "</source></hostdev>"
+            ),
+            True,
+            id="odd-address",
+        ),
+        pytest.param(
+            xml_with(
+                pci_hostdev("0000:03:00.0"),
+                extra="<metadata><ca:claim xmlns:ca='https://charly-arbiter.org/xmlns/claim/1'/>"
+                "</metadata>",
+            ),
+            True,
+            id="claim-element",
+        ),
+    ],
+)
+def test_the_fast_path_lets_go_only_what_cannot_claim(
+    tmp_path: Path, xml: bytes, expected: bool
+) -> None:
+    from charly_arbiter.libvirt.hook import may_claim
+
+    sys_root = fake_sysfs(tmp_path / "sys", SYSFS)
+    config = tmp_path / "arbiter.toml"
+    config.write_text('[tokens.gpu0]\naddress = "0000:0a:00.0"\n')
+    assert may_claim(xml, str(sys_root), str(config)) is expected
+
+
+def test_an_address_the_configuration_names_or_a_simulated_host_goes_the_slow_way(
+    tmp_path: Path,
+) -> None:
+    from charly_arbiter.libvirt.hook import may_claim
+
+    sys_root = str(fake_sysfs(tmp_path / "sys", SYSFS))
+    nic = xml_with(pci_hostdev("0000:03:00.0"))
+    config = tmp_path / "arbiter.toml"
+    config.write_text('[tokens.nic]\naddress = "0000:03:00.0"\n')
+    assert may_claim(nic, sys_root, str(config))
+    config.write_text('host = "sim:/srv/sim"\n')
+    assert may_claim(nic, sys_root, str(config))
+    config.unlink()
+    assert not may_claim(nic, sys_root, str(config))
+
+
+def test_a_nic_hostdev_is_let_go_without_the_configuration_the_ledger_or_typing(
+    tmp_path: Path,
+) -> None:
+    """The whole hook process, measured with -X importtime, over a fake sysfs (with -S:
+    what `site` imports is the installation's, not the hook's)."""
+    sys_root = fake_sysfs(tmp_path / "sys", SYSFS)
+    program = (
+        "import sys; import charly_arbiter.libvirt.hook as hook; "
+        f"hook.SYS_ROOT = {str(sys_root)!r}; "
+        "sys.exit(hook.main(['qemu', 'nicvm', 'prepare', 'begin', '-']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-S", "-X", "importtime", "-c", program],
+        input=xml_with(pci_hostdev("0000:03:00.0")),
+        capture_output=True,
+        cwd=REPO,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        timeout=60,
+    )
+    modules = {
+        line.rsplit("|", 1)[1].strip()
+        for line in result.stderr.decode().splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert (result.returncode, result.stdout) == (0, b""), result.stderr
+    assert "charly_arbiter.libvirt.hook" in modules
+    assert not {
+        m
+        for m in modules
+        if m.startswith("charly_arbiter.")
+        and m != "charly_arbiter.libvirt.hook"
+        and m != "charly_arbiter.libvirt"
+    }
+    assert not {"typing", "re", "logging", "click", "tomlkit"} & modules, modules

@@ -1,7 +1,7 @@
 """The libvirt end-to-end scenarios against the INSTALLED package, on this machine.
 
 `apt install ./charly-arbiter_*.deb` on the machine itself (its dependencies
-are Debian's packages: system python3, click, tomlkit, portalocker, pyudev,
+are Debian's packages: system python3, click, tomlkit, pyudev,
 python3-libvirt), then tests/libvirt runs with CHARLY_ARBITER_E2E_INSTALLED=1:
 a real libvirtd, started after the install (libvirt reads hooks only at
 start), runs the hook the package installed, which runs /usr/bin/charly-arbiter.
