@@ -3,6 +3,10 @@ snapshots of everything a test compares (ledger bytes, simulated host state)."""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +22,25 @@ host_toml = default_host  # the default host, with fault lines added by name
 
 # Every holder preemptible: lets a state machine claim both tokens exclusively.
 ALL_PREEMPTIBLE = host_toml(dm_preemptible=True)
+
+
+def bind_by_hand(sim_dir: Path, drivers: Mapping[str, str]) -> None:
+    """What an operator does through sysfs by hand: bind functions of the simulated
+    host to drivers (state.json, under the simulation's own lock, written atomically)."""
+    lock = os.open(sim_dir / "state.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = sim_dir / "state.json"
+        state = json.loads(path.read_text())
+        for address, driver in sorted(drivers.items()):
+            state["drivers"][address] = driver
+            state["log"].append(f"bind {address} {driver} (by hand)")
+        temp = sim_dir / "state.json.by-hand"
+        temp.write_text(json.dumps(state, indent=1, sort_keys=True))
+        os.replace(temp, path)
+    finally:
+        os.close(lock)
+
 
 HOLDER_REFS = ("container:llm", "systemd:ollama.service", "systemd:display-manager.service")
 HOME = {"0000:0a:00.0": "nvidia", "0000:0a:00.1": "snd_hda_intel", "0000:0b:00.0": "nvidia"}
