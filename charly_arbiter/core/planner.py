@@ -219,14 +219,35 @@ def _decide_exclusive(
 
     stops: list[StopStep] = []
     for holder in _running_holders(holders, claimant, names):
-        if holder.ref in preempted:
-            continue
+        # A holder that says it may not be stopped refuses the claim, even when it
+        # shares the GPU through a lease of its own.
         _refuse_unless_preemptible(holder, claimant, tokens, policy)
+        if holder.ref in preempted:
+            continue  # stopped below, as the shared claimant it is
+        elsewhere = ledger.lease_of(holder.ref)
+        if elsewhere is not None:
+            # It holds a lease on other GPUs: stopping it ends that use too, so the
+            # lease moves into this one and comes back with it.
+            _refuse_unless_shared_elsewhere(elsewhere, holder, claimant, tokens, stranded)
+            preempted[holder.ref] = elsewhere.tokens
+            inherited.extend(elsewhere.unrestored())
+            stops.append(
+                StopStep(
+                    holder.ref,
+                    holder.how,
+                    elsewhere.tokens,
+                    tuple(dict.fromkeys(holder.tokens + elsewhere.tokens)),
+                )
+            )
+            continue
         stops.append(StopStep(holder.ref, holder.how, tokens=holder.tokens))
     how: dict[Claimant, str] = {holder.ref: holder.how for holder in holders}
+    stopped = {step.holder for step in stops}
     for ref, shared_tokens in preempted.items():
-        # A shared claimant is always preemptible, but a policy may still forbid
-        # stopping its kind (from a hook, a nested hook).
+        if ref in stopped:
+            continue
+        # A shared claimant is preemptible unless it says otherwise (above), but a
+        # policy may still forbid stopping its kind (from a hook, a nested hook).
         token = next(t for t in tokens if t.name in shared_tokens)
         _refuse_by_policy(ref, "", claimant, token, policy)
         stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens, shared_tokens))
@@ -360,6 +381,41 @@ def _refuse_unless_preemptible(
             hint=f"stop {holder.ref} first, or mark it preemptible in arbiter.toml",
         )
     _refuse_by_policy(holder.ref, detail, claimant, token, policy)
+
+
+def _refuse_unless_shared_elsewhere(
+    lease: Lease,
+    holder: Holder,
+    claimant: Claimant,
+    tokens: Sequence[TokenSpec],
+    stranded: frozenset[Claimant],
+) -> None:
+    """A holder that holds another GPU exclusively, or whose lease is changing or
+    stranded, is not stopped for this claim: the first would lose its GPU, the second
+    is in motion, the third waits for `restore`."""
+    token = next(t for t in tokens if t.name in holder.tokens)
+    if lease.mode is Mode.EXCLUSIVE:
+        raise ClaimRefused(
+            _label(token),
+            claimant,
+            f"it is in use by {holder.ref}, which holds {', '.join(lease.tokens)} exclusively",
+            hint=f"stop {holder.ref} first",
+        )
+    if holder.ref in stranded:
+        raise ClaimRefused(
+            _label(token),
+            claimant,
+            f"it is in use by {holder.ref}, whose lease on {', '.join(lease.tokens)} is stranded",
+            hint="run `charly-arbiter restore --stranded` first",
+        )
+    if lease.state is not LeaseState.ACTIVE:
+        raise ClaimRefused(
+            _label(token),
+            claimant,
+            f"it is in use by {holder.ref}, whose lease is {lease.state}",
+            hint="try again in a moment",
+            retry=True,
+        )
 
 
 def _refuse_by_policy(

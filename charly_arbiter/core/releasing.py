@@ -139,19 +139,24 @@ class Releaser:
         for name in lease.tokens:
             if lease.switch_state(name) is not StepState.DONE:
                 self._send_home(claimant, tokens.get(name))
-        self._restore_holders(claimant)
-        crashpoint("release.restored")
-        with self.ledger.transaction() as txn:
-            current = txn.state.lease_of(claimant)
-            if current is None:
-                return
-            done = not current.unrestored() and all(
-                step is StepState.DONE for _, step in current.switched
-            )
-            if done:
-                txn.state = txn.state.without_lease(claimant)
-            else:
-                txn.state = txn.state.with_lease(current.owned_by(None))
+        attempted: set[str] = set()
+        while True:
+            self._restore_holders(claimant, attempted)
+            crashpoint("release.restored")
+            with self.ledger.transaction() as txn:
+                current = txn.state.lease_of(claimant)
+                if current is None:
+                    return
+                if any(r.holder not in attempted for r in current.unrestored()):
+                    continue  # handed to this lease meanwhile: bring those back too
+                done = not current.unrestored() and all(
+                    step is StepState.DONE for _, step in current.switched
+                )
+                if done:
+                    txn.state = txn.state.without_lease(claimant)
+                else:
+                    txn.state = txn.state.with_lease(current.owned_by(None))
+            break
         if not done:
             log.error("%s: release incomplete; run `charly-arbiter restore %s`", claimant, claimant)
 
@@ -206,7 +211,8 @@ class Releaser:
                     (
                         heir_lease
                         for name in heirs
-                        if (heir_lease := state.lease_of(name)) is not None
+                        if name != record.holder  # never the holder's own lease
+                        and (heir_lease := state.lease_of(name)) is not None
                         and uses & set(heir_lease.tokens)
                     ),
                     None,
@@ -268,10 +274,10 @@ class Releaser:
             if lease is not None:
                 txn.state = txn.state.with_lease(lease.with_switch(token.name, StepState.DONE))
 
-    def _restore_holders(self, claimant: Claimant) -> None:
+    def _restore_holders(self, claimant: Claimant, attempted: set[str]) -> None:
         """Bring back, one by one, every holder the lease still records (including
-        records handed to it meanwhile), newest first."""
-        attempted: set[str] = set()
+        records handed to it meanwhile), newest first; `attempted` are the ones this
+        release has dealt with already."""
         while True:
             comeback = self._next_comeback(claimant, attempted)
             if comeback is None:
@@ -303,6 +309,16 @@ class Releaser:
                 return None
             record = pending[0]
             heir = _exclusive_heir(txn.state, claimant, record)
+            if heir is None and record.shared_tokens and _still_holds(lease, record):
+                # Its GPU is still on vfio-pci under this very lease (its way home
+                # failed): the shared claimant cannot have its lease back beside it.
+                log.warning(
+                    "%s: %s stays stopped while %s is not home",
+                    claimant,
+                    record.holder,
+                    ", ".join(record.shared_tokens),
+                )
+                return _Comeback(record, start=False)
             if heir is not None:
                 # It stays stopped; the lease that now holds its GPU brings it back.
                 if all(r.holder != record.holder for r in heir.unrestored()):
@@ -372,7 +388,8 @@ class Releaser:
 
 
 def _exclusive_heir(state: LedgerState, claimant: Claimant, record: StoppedHolder) -> Lease | None:
-    """An exclusive lease, not itself ending, that holds one of the holder's tokens."""
+    """Another exclusive lease that holds one of the holder's tokens, in any state: a
+    releasing one too, since it brings back every record it holds before it ends."""
     uses = record.tokens or record.shared_tokens
     return next(
         (
@@ -380,8 +397,14 @@ def _exclusive_heir(state: LedgerState, claimant: Claimant, record: StoppedHolde
             for other in state.leases
             if other.claimant not in (claimant, record.holder)
             and other.mode is Mode.EXCLUSIVE
-            and other.state is not LeaseState.RELEASING
             and any(blocks_token(other, token) for token in uses)
         ),
         None,
+    )
+
+
+def _still_holds(lease: Lease, record: StoppedHolder) -> bool:
+    """Whether `lease`, exclusive, still holds one of the tokens `record` shared."""
+    return lease.mode is Mode.EXCLUSIVE and any(
+        blocks_token(lease, token) for token in record.shared_tokens
     )

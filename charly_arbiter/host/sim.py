@@ -273,6 +273,8 @@ class SimHost:
             # claimants not yet seen (a VM claiming after the reboot) count as alive,
             # as on a fresh host.  Old leases are stranded by their boot id.
             fresh = self._fresh_state()
+            for ref in state["running"]:
+                fresh["running"].setdefault(ref, False)
             fresh["cdi_generations"] = state["cdi_generations"]
             fresh["log"] = [*state["log"], "reboot"]
             state.clear()

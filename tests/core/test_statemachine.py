@@ -429,7 +429,11 @@ def decide(
             if lease.mode is SHARED
             and (
                 any(lease.holds(token) for token in tokens)
-                or (lease.claimant in running and not world.stranded(lease))
+                or (
+                    lease.claimant in running
+                    and lease.state is ACTIVE
+                    and not world.stranded(lease)
+                )
             )
         ]
         names = {lease.claimant for lease in preempted}
@@ -447,13 +451,33 @@ def decide(
                     return ("refused", frozenset({"starting"}))
                 taken.append((lease.claimant, record))
         stops = []
+        holding = set()
         for ref in running:
             # host.toml: `preemptible = false`, "claims are refused"
             if ref in faults.rigid:
-                return ("refused", frozenset({"not-preemptible"}))
+                holding.add("not-preemptible")
+            elsewhere = world.lease(ref)
+            if elsewhere is None or ref in names:
+                continue
+            # A holder with a lease on other GPUs is stopped only when that lease is
+            # an active shared one: it moves into this lease.
+            if elsewhere.mode is EXCLUSIVE:
+                holding.add("holder-exclusive")
+            elif world.stranded(elsewhere):
+                holding.add("stranded")
+            elif elsewhere.state is not ACTIVE:
+                holding.add("holder-busy")
+        if holding:
+            return ("refused", frozenset(holding))
+        for ref in running:
             if ref not in names:
                 stops.append(Rec(ref, (HOLDERS[ref],)))
-        stops += [Rec(lease.claimant, lease.tokens, lease.tokens) for lease in preempted]
+        for lease in preempted:
+            if any(lease.holds(token) for token in tokens):
+                stops.append(Rec(lease.claimant, lease.tokens, lease.tokens))
+            else:  # a holder of these tokens, sharing another: it stays out of both
+                used = tuple(dict.fromkeys((HOLDERS[lease.claimant], *lease.tokens)))
+                stops.append(Rec(lease.claimant, used, lease.tokens))
         return Plan(
             stops=tuple(stops),
             preempted=tuple(sorted(names)),
@@ -769,6 +793,8 @@ def refusal_reason(error: ClaimRefused) -> str:
         ("held exclusively", "exclusive"),
         ("not preemptible", "not-preemptible"),
         ("shared lease of", "in-progress"),
+        ("exclusively", "holder-exclusive"),
+        ("whose lease is", "holder-busy"),
     ):
         if words in error.why:
             return reason

@@ -102,10 +102,11 @@ def test_container_holder_through_its_runtime(fake: tuple[str, Path, Path]) -> N
     assert ["start", "--", "llm"] in argvs
 
 
-def test_missing_runtime_is_reported() -> None:
+def test_missing_runtime_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host without podman: the fixed PATH the runtime is looked up on is empty."""
     from charly_arbiter.host import run
 
-    if run.which("podman"):
-        pytest.skip("podman is installed here")
+    monkeypatch.setattr(run, "SAFE_PATH", str(tmp_path))
+    assert run.which("podman") is None
     with pytest.raises(HolderError, match="podman is not installed"):
         ContainerHolders(config()).stop("container:llm")
