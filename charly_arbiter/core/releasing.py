@@ -358,21 +358,30 @@ class Releaser:
         """Mark it restored, and give a preempted shared claimant its lease back.
 
         While the record was STARTING no exclusive claim could take its tokens,
-        so the shared lease can be recreated without checking again.
+        so the shared lease can be recreated without checking again; but only on
+        the tokens that are home.  One left on vfio-pci (poisoned on its way home)
+        is not shared by anyone: a lease there would say it is in use on its home
+        driver, and clearing the poison would then leave a GPU on vfio-pci with no
+        exclusive lease (I2).  Its next claim is refused for the poison, saying why.
         """
         running = bool(record.shared_tokens) and self.host.is_running(record.holder)
+        home_tokens = tuple(
+            spec.name
+            for spec in self.tokens.known(record.shared_tokens)
+            if running and all(f.driver != VFIO for f in self.tokens.functions_now(spec))
+        )
         boot_id = self.host.boot_id()
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
                 txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
-            if running and txn.state.lease_of(record.holder) is None:
+            if home_tokens and txn.state.lease_of(record.holder) is None:
                 # (Its own hook may already have claimed again while it started.)
                 txn.state = txn.state.with_lease(
                     Lease(
                         claimant=record.holder,
                         mode=Mode.SHARED,
-                        tokens=record.shared_tokens,
+                        tokens=home_tokens,
                         state=LeaseState.ACTIVE,
                         transient=False,
                         boot_id=boot_id,

@@ -184,6 +184,36 @@ def test_a_preempted_shared_claimant_is_not_reinstated_beside_a_new_exclusive_le
     check_invariants(sim, "at the end")
 
 
+def test_a_preempted_shared_claimant_gets_no_lease_on_a_gpu_left_on_vfio(sim):
+    """Found by the long state machine: an exclusive lease whose way home failed was
+    restored; the shared claimant it had preempted came back with its shared lease on
+    the GPU left on vfio-pci (poisoned), and clearing the poison then left a GPU on
+    vfio-pci with no exclusive lease (I2).  It comes back without a lease there."""
+    from coretools import bind_by_hand, host_toml
+
+    arbiter = sim.arbiter()
+    arbiter.acquire("container:llm", Mode.SHARED, ["gpu0"])
+    arbiter.acquire("libvirt:a", Mode.EXCLUSIVE, ["gpu0"])  # preempts container:llm
+    (sim.sim_dir / "host.toml").write_text(host_toml(gpu0="fail_switch = true"))
+    sim.stopped("libvirt:a")
+    arbiter.release_claimant("libvirt:a")  # gpu0 cannot go home: poisoned
+    check_invariants(sim, "after the failed release")
+    arbiter.restore(None)  # the stranded, half-released lease
+    check_invariants(sim, "after restore")
+    state = read_ledger(sim.state_dir)
+    assert state.poison_of("gpu0") is not None
+    assert state.leases == (), state.leases
+    assert host_state(sim)["running"]["container:llm"] is True
+    assert host_state(sim)["drivers"]["0000:0a:00.0"] == "vfio-pci"
+    # The operator's repair: the GPU bound home by hand, the fault gone, the poison cleared.
+    (sim.sim_dir / "host.toml").write_text(host_toml())
+    bind_by_hand(sim.sim_dir, {"0000:0a:00.0": "nvidia", "0000:0a:00.1": "snd_hda_intel"})
+    assert arbiter.clear_poison("gpu0")
+    check_invariants(sim, "after poison clear")
+    arbiter.acquire("container:llm", Mode.SHARED, ["gpu0"])
+    check_invariants(sim, "claimed again")
+
+
 # -- 4. the writer of an unfinished lease, known by pid alone -----------------------
 
 

@@ -684,8 +684,11 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
             return
         run.set(run.world.with_running(record.holder, True))
     world = run.world.put(current(run, claimant).without_record(record.holder))
-    if record.shared and world.lease(record.holder) is None:
-        world = world.put(MLease(record.holder, SHARED, record.shared, ACTIVE, world.boot))
+    # Its shared lease comes back on the tokens that are home: one left on vfio-pci
+    # (poisoned on its way home) is used by nobody.
+    home = tuple(token for token in record.shared if token not in world.vfio)
+    if home and world.lease(record.holder) is None:
+        world = world.put(MLease(record.holder, SHARED, home, ACTIVE, world.boot))
     run.set(world)
 
 
