@@ -228,7 +228,8 @@ class Arbiter:
                 log.error("%s: undoing the claim failed too: %s", claimant, undo_error)
             raise
         for name in plan.cdi_tokens:
-            self.switching.regenerate_cdi(by_name[name])
+            if name not in plan.switched_tokens:  # a switch refreshed it already
+                self.switching.regenerate_cdi(by_name[name])
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:

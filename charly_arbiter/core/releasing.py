@@ -263,12 +263,10 @@ class Releaser:
                 )
                 crashpoint("release.switch")
                 try:
-                    self.switching.switch(token, targets, claimant)
+                    self.switching.switch(token, targets, claimant)  # CDI follows it
                 except SwitchFailed as error:
                     log.error("%s: could not return home: %s", token.name, error)
                     return
-            if token.cdi:
-                self.switching.regenerate_cdi(token)
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:

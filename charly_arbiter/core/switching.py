@@ -2,7 +2,10 @@
 
 Acquiring and releasing both switch tokens, and both must poison a token whose
 switch failed or hung (nothing may touch it again until an operator has looked)
-and refresh the CDI spec once a GPU came home; this is the one place that does.
+and refresh the CDI spec after every switch that happened, either way: a GPU
+that came home must be in it, one that left for vfio-pci must not be (a
+container started from a stale spec would get device nodes of a GPU it cannot
+use).  This is the one place that does both.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class Switching:
             driver=drivers_label(targets),
             seconds=round(time.monotonic() - started, 3),
         )
+        if token.cdi:
+            self.regenerate_cdi(token)
 
     def poison(self, token: str, reason: str, claimant: Claimant) -> None:
         with self.ledger.transaction() as txn:

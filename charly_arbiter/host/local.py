@@ -168,12 +168,9 @@ class LocalHost:
         self.source(ref).start(ref)
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
-        """`nvidia-ctk cdi generate` once an NVIDIA GPU is back on `nvidia`."""
-        if not any(
-            function.vendor == NVIDIA_VENDOR
-            and self.sysfs.current_driver(function.address) == "nvidia"
-            for function in token.functions
-        ):
+        """`nvidia-ctk cdi generate` after an NVIDIA GPU moved, either way: it lists
+        the GPUs NVML sees on `nvidia`, so one that left for vfio-pci drops out."""
+        if not any(function.vendor == NVIDIA_VENDOR for function in token.functions):
             return
         tool = run.which("nvidia-ctk")
         if tool is None:

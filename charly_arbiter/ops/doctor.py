@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 
@@ -20,7 +21,8 @@ from charly_arbiter.core.host import Host
 from charly_arbiter.errors import ArbiterError
 from charly_arbiter.host import run
 from charly_arbiter.host.detect import detect, group_problems
-from charly_arbiter.host.local import LocalHost
+from charly_arbiter.host.local import NVIDIA_VENDOR, LocalHost
+from charly_arbiter.ops.history import HistoryLog, Record
 
 HOOK_PATH = Path("/etc/libvirt/hooks/qemu.d/charly-arbiter")
 
@@ -95,17 +97,21 @@ def host_checks(config: Config, host: Host, vm_memory: int) -> list[Check]:
                 "put the GPU in another slot, or enable ACS, so that its group holds only it",
             )
         )
-    if any(f.vendor == "10de" for f in functions.values() if f.pci_class.startswith("03")):
-        checks.append(
-            Check("nvidia-ctk", Level.OK, "nvidia-ctk is installed")
-            if run.which("nvidia-ctk")
-            else Check(
-                "nvidia-ctk",
-                Level.WARNING,
-                "NVIDIA GPUs are present but nvidia-ctk is not: no CDI spec is regenerated",
-                "install nvidia-container-toolkit",
+    if any(f.vendor == NVIDIA_VENDOR for f in functions.values() if f.pci_class.startswith("03")):
+        if run.which("nvidia-ctk"):
+            checks.append(Check("nvidia-ctk", Level.OK, "nvidia-ctk is installed"))
+            cdi_tokens = {t.name for t in config.tokens if t.cdi} or {n for n, _ in wanted}
+            records = HistoryLog(config.state_dir).read().records
+            checks.append(cdi_check(host.cdi_spec, cdi_tokens, records))
+        else:
+            checks.append(
+                Check(
+                    "nvidia-ctk",
+                    Level.WARNING,
+                    "NVIDIA GPUs are present but nvidia-ctk is not: no CDI spec is regenerated",
+                    "install nvidia-container-toolkit",
+                )
             )
-        )
     memlock = f"RLIMIT_MEMLOCK {'unlimited' if v.memlock_soft is None else v.memlock_soft}"
     checks.append(
         Check("memlock", Level.OK, f"{memlock}, enough for a {vm_memory // 2**20} MiB VM")
@@ -118,6 +124,30 @@ def host_checks(config: Config, host: Host, vm_memory: int) -> list[Check]:
         )
     )
     return checks
+
+
+def cdi_check(spec: Path, tokens: set[str], records: Sequence[Record]) -> Check:
+    """Whether the CDI spec exists and was written after the last switch of a token
+    it describes: one older than that lists a GPU that left, or lacks one that came back."""
+    fix = f"run `nvidia-ctk cdi generate --output={spec}`"
+    try:
+        written = datetime.fromtimestamp(spec.stat().st_mtime).astimezone()
+    except OSError:
+        return Check(
+            "cdi", Level.WARNING, f"there is no CDI spec at {spec}: CDI containers get no GPU", fix
+        )
+    switches = [r for r in records if r.kind == "switched" and set(r.tokens) & tokens]
+    last = switches[-1] if switches else None
+    if last is not None and written < last.time:
+        return Check(
+            "cdi",
+            Level.WARNING,
+            f"the CDI spec {spec} ({written:%Y-%m-%d %H:%M:%S}) is older than the last switch "
+            f"of {', '.join(last.tokens)} ({last.time:%Y-%m-%d %H:%M:%S})",
+            fix,
+        )
+    since = f", after the last switch ({last.time:%Y-%m-%d %H:%M:%S})" if last else ""
+    return Check("cdi", Level.OK, f"CDI spec {spec} written {written:%Y-%m-%d %H:%M:%S}{since}")
 
 
 def hook_check(path: Path) -> Check:

@@ -309,6 +309,45 @@ def test_failed_holder_stop_rolls_the_claim_back(make_sim):
     assert_converged(sim)
 
 
+def cdi_generations(sim):
+    return sim.host().snapshot()["cdi_generations"]
+
+
+def test_the_cdi_spec_follows_every_switch_either_way(sim):
+    """Issue 11: after the switch to vfio-pci too (a container must not be handed a GPU
+    that has left), and again when it is back home."""
+    arbiter = sim.arbiter()
+    before = cdi_generations(sim)
+    arbiter.acquire("libvirt:win11", EXCL, ["gpu0"])
+    assert cdi_generations(sim) == before + 1
+    sim.stopped("libvirt:win11")
+    arbiter.release_claimant("libvirt:win11")
+    assert cdi_generations(sim) == before + 2
+
+
+def test_a_rollback_that_switched_nothing_leaves_the_cdi_spec_alone(make_sim):
+    sim = make_sim(host_toml(ollama="fail_stop = true"))
+    before = cdi_generations(sim)
+    with pytest.raises(HolderError):
+        sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"])
+    assert cdi_generations(sim) == before
+
+
+def test_a_token_without_cdi_never_regenerates_it(make_sim):
+    config = """
+host = "sim:{sim}"
+state_dir = "{state}"
+
+[tokens.gpu0]
+address = "0000:0a:00.0"
+cdi = false
+"""
+    sim = make_sim(config=config)
+    before = cdi_generations(sim)
+    sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"])
+    assert cdi_generations(sim) == before
+
+
 def test_failed_stop_after_preempting_a_shared_claimant_gives_its_lease_back(make_sim):
     sim = make_sim(host_toml(ollama="fail_stop = true"))
     arbiter = sim.arbiter()

@@ -77,3 +77,32 @@ def test_detect_runs_on_this_machine(tmp_path):
     addresses = sorted(os.listdir("/sys/bus/pci/devices")) if Path("/sys/bus/pci").exists() else []
     assert [f["address"] for f in document["functions"]] == addresses
     assert set(document["vfio"]) >= {"iommu_on", "vfio_pci", "memlock_soft"}
+
+
+def test_the_cdi_check_says_whether_the_spec_is_missing_stale_or_fresh(tmp_path):
+    """Issue 11: the spec must exist and be newer than the last switch of a CDI token."""
+    from datetime import UTC, datetime, timedelta
+
+    from charly_arbiter.ops.doctor import Level, cdi_check
+    from charly_arbiter.ops.history import HistoryLog
+
+    spec = tmp_path / "nvidia.yaml"
+    history = HistoryLog(tmp_path)
+    switched = datetime.now(UTC) - timedelta(minutes=5)
+    history.append("switched", {"token": "gpu0", "driver": "vfio-pci"}, when=switched)
+    history.append("switched", {"token": "gpu9", "driver": "nvidia"}, when=datetime.now(UTC))
+    records = history.read().records
+    missing = cdi_check(spec, {"gpu0"}, records)
+    assert missing.level is Level.WARNING and "no CDI spec" in missing.message
+    assert "nvidia-ctk cdi generate" in missing.fix
+    spec.write_text("cdiVersion: 0.5.0\n")
+    old = (switched - timedelta(minutes=1)).timestamp()
+    os.utime(spec, (old, old))
+    stale = cdi_check(spec, {"gpu0"}, records)
+    assert stale.level is Level.WARNING and "older than the last switch of gpu0" in stale.message
+    fresh = (switched + timedelta(minutes=1)).timestamp()
+    os.utime(spec, (fresh, fresh))
+    assert cdi_check(spec, {"gpu0"}, records).level is Level.OK
+    # Only a switch of a token the spec describes counts (gpu9 switched later).
+    assert cdi_check(spec, {"gpu0"}, records).level is Level.OK
+    assert cdi_check(spec, {"gpu9"}, records).level is Level.WARNING

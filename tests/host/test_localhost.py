@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -101,15 +102,25 @@ def commands(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     return ran
 
 
-def test_cdi_is_regenerated_only_once_the_gpu_is_back_on_nvidia(make_host, commands):
+def test_cdi_is_regenerated_for_an_nvidia_gpu_on_either_driver(make_host, commands):
+    """On vfio-pci too (issue 11): the regenerated spec no longer lists the GPU."""
     host = make_host()
     token = TokenSpec("gpu0", GPU, tuple(host.token_functions("gpu0", GPU)))
+    generate = ["/usr/bin/nvidia-ctk", "cdi", "generate", f"--output={host.cdi_spec}"]
     host.switch(token, {GPU: "vfio-pci", AUDIO: "vfio-pci"})
-    host.regenerate_cdi(token)  # on vfio-pci: nvidia-ctk would not see the GPU
-    assert commands == []
+    host.regenerate_cdi(token)
+    assert commands == [generate]
     host.switch(token, {GPU: "nvidia", AUDIO: "snd_hda_intel"})
     host.regenerate_cdi(token)
-    assert commands == [["/usr/bin/nvidia-ctk", "cdi", "generate", f"--output={host.cdi_spec}"]]
+    assert commands == [generate, generate]
+
+
+def test_cdi_is_not_regenerated_for_a_gpu_of_another_vendor(make_host, commands):
+    host = make_host()
+    token = TokenSpec("gpu0", GPU, tuple(host.token_functions("gpu0", GPU)))
+    other = TokenSpec("gpu0", GPU, tuple(replace(f, vendor="1002") for f in token.functions))
+    host.regenerate_cdi(other)
+    assert commands == []
 
 
 def test_cdi_regeneration_without_nvidia_ctk_logs_and_goes_on(make_host, caplog, monkeypatch):
