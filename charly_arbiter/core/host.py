@@ -32,6 +32,10 @@ class PciFunction:
     pci_class: str  # "030000"
     driver: str | None
     iommu_group: str | None
+    # The driver this host would bind the function to by itself (from the kernel's
+    # module index and the data file), worked out only where it is needed: for a
+    # function found on vfio-pci or on no driver, whose home may be recorded nowhere.
+    default_driver: str | None = None
 
     @property
     def is_display(self) -> bool:

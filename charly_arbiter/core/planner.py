@@ -78,18 +78,21 @@ NO_POLICY = Policy()
 
 
 def home_map(ledger: LedgerState, token: TokenSpec) -> dict[str, str]:
-    """Each function's home driver: as recorded, else as seen now (never vfio-pci)."""
+    """Each function's home driver: as recorded, else as seen now (never vfio-pci),
+    else as configured, else the one this host would bind it to by itself."""
     recorded = ledger.home_of(token.name)
     home: dict[str, str] = {}
     for function in token.functions:
-        if function.address in recorded:
+        if recorded.get(function.address):
             home[function.address] = recorded[function.address]
         elif function.driver and function.driver != VFIO:
             home[function.address] = function.driver
         elif function.address == token.address and token.home_driver:
             home[function.address] = token.home_driver
+        elif function.default_driver:
+            home[function.address] = function.default_driver
         else:
-            home[function.address] = NO_DRIVER
+            home[function.address] = recorded.get(function.address, NO_DRIVER)
     return home
 
 
@@ -340,6 +343,17 @@ def _decide_shared(
         homes[token.name] = home
         for function in token.functions:
             target = home[function.address]
+            if function.is_display and function.driver in (None, VFIO) and target == NO_DRIVER:
+                # Shared means used on its home driver: a GPU no driver takes is no use.
+                where = "on vfio-pci" if function.driver == VFIO else "bound to no driver"
+                raise ClaimRefused(
+                    _label(token),
+                    claimant,
+                    f"it is {where} and no driver on this host can take {function.address} "
+                    f"(none is recorded or configured, and this kernel has no module for it)",
+                    hint=f"install the GPU's driver, or set `home_driver` for {token.name} "
+                    "in arbiter.toml",
+                )
             if function.driver == VFIO or (target and function.driver != target):
                 switches.append(Switch(token.name, function.address, function.driver, target))
     return ClaimPlan(

@@ -21,7 +21,6 @@ from charly_arbiter.host.nvml import NvmlGpu
 from charly_arbiter.host.pcidata import function_nodes, pci_data
 from charly_arbiter.host.sysfs import BRIDGE_CLASS, SYS_ROOT
 
-MODULES_ROOT = Path("/lib/modules")
 DEFAULT_VM_MEMORY_MIB = 8192
 
 
@@ -152,15 +151,13 @@ def amd_gfx_targets(sys_root: Path) -> dict[str, str]:
     return targets
 
 
-def vfio_readiness(
-    host: LocalHost, vm_memory: int, modules_root: Path = MODULES_ROOT
-) -> VfioReadiness:
+def vfio_readiness(host: LocalHost, vm_memory: int) -> VfioReadiness:
     groups = host.sysfs.iommu_groups
     count = len(list(groups.iterdir())) if groups.is_dir() else 0
     if host.sysfs.driver(VFIO).is_dir():
         vfio_pci = "loaded"
     else:
-        vfio_pci = "available" if _module_available(host, modules_root, "vfio-pci") else "missing"
+        vfio_pci = "available" if host.modules.has("vfio_pci") else "missing"
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     soft_value = None if soft == resource.RLIM_INFINITY else soft
     hard_value = None if hard == resource.RLIM_INFINITY else hard
@@ -174,25 +171,6 @@ def vfio_readiness(
         vm_memory=vm_memory,
         memlock_enough=soft_value is None or soft_value >= vm_memory,
     )
-
-
-def _module_available(host: LocalHost, modules_root: Path, name: str) -> bool:
-    try:
-        release = (host.proc_root / "sys" / "kernel" / "osrelease").read_text().strip()
-    except OSError:
-        return False
-    directory = modules_root / release
-    stem = name.replace("-", "_")
-    for listing in ("modules.dep", "modules.builtin"):
-        try:
-            text = (directory / listing).read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            module = os.path.basename(line.partition(":")[0]).split(".ko")[0]
-            if module.replace("-", "_") == stem:
-                return True
-    return False
 
 
 def detect(host: LocalHost, vm_memory: int = DEFAULT_VM_MEMORY_MIB * 2**20) -> Detection:

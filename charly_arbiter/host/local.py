@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from charly_arbiter.core.config import Config
@@ -23,7 +24,9 @@ from charly_arbiter.host import run
 from charly_arbiter.host.blocking import Writer
 from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory
 from charly_arbiter.host.holders.process import ProcessHolders
+from charly_arbiter.host.kmod import MODULES_ROOT, KernelModules
 from charly_arbiter.host.nvml import Nvml
+from charly_arbiter.host.pcidata import pci_data
 from charly_arbiter.host.procscan import process_alive, process_ref
 from charly_arbiter.host.sysfs import DEV_ROOT, PROC_ROOT, SYS_ROOT, Switcher, Sysfs
 from charly_arbiter.host.sysfs import write_attribute as default_writer
@@ -31,7 +34,6 @@ from charly_arbiter.host.sysfs import write_attribute as default_writer
 log = logging.getLogger(__name__)
 
 CDI_SPEC = Path("/etc/cdi/nvidia.yaml")
-MODULES_ROOT = Path("/lib/modules")
 NVIDIA_VENDOR = "10de"
 
 
@@ -48,9 +50,10 @@ class LocalHost:
         modules_root: Path = MODULES_ROOT,
         sources: Mapping[str, SourceFactory] | None = None,
         isolate_writes: bool = True,
+        load_module: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
-        self.modules_root = modules_root
+        self.modules = KernelModules(modules_root, _release(proc_root))
         self.description = "local" if sys_root == SYS_ROOT else f"local (sysfs at {sys_root})"
         self.sysfs = Sysfs(sys_root, writer)
         self.proc_root = proc_root
@@ -60,7 +63,7 @@ class LocalHost:
             self.sysfs,
             dev_root,
             config.timeouts.driver_switch,
-            load_module=_modprobe,
+            load_module=load_module or (lambda driver: _modprobe(pci_data().module_of(driver))),
             isolate=isolate_writes,
         )
         self.processes = ProcessHolders(config, self.sysfs, proc_root, dev_root)
@@ -88,7 +91,16 @@ class LocalHost:
                 f"token {name}: there is no PCI device {address} on this host",
                 hint="check the token's address in arbiter.toml against `charly-arbiter detect`",
             )
-        return self.sysfs.group_functions(address)
+        return [self._with_default_driver(f) for f in self.sysfs.group_functions(address)]
+
+    def _with_default_driver(self, function: PciFunction) -> PciFunction:
+        """A function on vfio-pci or on no driver learns where the kernel would send it
+        home (the others are home already, or tell by their driver)."""
+        if function.driver not in (None, VFIO):
+            return function
+        matching = self.modules.matching(self.sysfs.modalias(function.address))
+        modules = [module for module in matching if self.modules.has(module)]
+        return replace(function, default_driver=pci_data().default_driver(function.vendor, modules))
 
     def switch(self, token: TokenSpec, targets: Mapping[str, str]) -> None:
         known = {function.address for function in token.functions}
@@ -117,15 +129,7 @@ class LocalHost:
         """Loaded, built in, or listed among this kernel's modules (modprobe loads it)."""
         if self.sysfs.driver(VFIO).is_dir() or (self.sysfs.root / "module" / "vfio_pci").is_dir():
             return True
-        release = self.modules_root / os.uname().release
-        for listing in ("modules.dep", "modules.builtin"):
-            try:
-                text = (release / listing).read_text(errors="replace")
-            except OSError:
-                continue
-            if "/vfio-pci.ko" in text or "/vfio_pci.ko" in text:
-                return True
-        return False
+        return self.modules.has("vfio_pci")
 
     def current_process(self) -> ProcessRef:
         return process_ref(self.proc_root, os.getpid()) or ProcessRef(os.getpid())
@@ -183,6 +187,14 @@ class LocalHost:
         self.nvml.close()
         self.switcher.close()
         self.registry.close()
+
+
+def _release(proc_root: Path) -> str:
+    """The running kernel's release, as the /proc root says (a test tree has its own)."""
+    try:
+        return (proc_root / "sys" / "kernel" / "osrelease").read_text().strip()
+    except OSError:
+        return os.uname().release
 
 
 def _modprobe(module: str) -> None:

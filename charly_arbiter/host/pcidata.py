@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import functools
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 from charly_arbiter.core.host import PciFunction
+from charly_arbiter.host.kmod import module_name
 from charly_arbiter.host.sysfs import Sysfs
 
 
@@ -32,6 +34,8 @@ class PciData:
     classes: dict[str, str]
     critical: dict[str, str]
     nodes: tuple[NodeRule, ...]
+    home_drivers: dict[str, tuple[str, ...]]
+    driver_modules: dict[str, str]
 
     def vendor_name(self, vendor: str) -> str:
         return self.vendors.get(vendor, vendor)
@@ -41,6 +45,20 @@ class PciData:
 
     def critical_reason(self, pci_class: str) -> str | None:
         return self.critical.get(pci_class[:4]) or self.critical.get(pci_class[:2])
+
+    def module_of(self, driver: str) -> str:
+        """The kernel module that registers `driver` (mostly the same name)."""
+        return module_name(self.driver_modules.get(driver, driver))
+
+    def default_driver(self, vendor: str, modules: Sequence[str]) -> str | None:
+        """The driver a device of `vendor` goes home to, given the modules this kernel
+        has for it: the vendor's preferred one, else the first that is not a VFIO
+        stub, else None (nothing on this host can take it)."""
+        available = [module_name(m) for m in modules]
+        for driver in self.home_drivers.get(vendor, ()):
+            if self.module_of(driver) in available:
+                return driver
+        return next((m for m in available if not m.startswith("vfio")), None)
 
 
 @functools.cache
@@ -52,6 +70,8 @@ def pci_data() -> PciData:
         classes=dict(table["classes"]),
         critical=dict(table["critical_classes"]),
         nodes=tuple(NodeRule(**rule) for rule in table["nodes"]),
+        home_drivers={k: tuple(v) for k, v in table["home_drivers"].items()},
+        driver_modules=dict(table["driver_modules"]),
     )
 
 

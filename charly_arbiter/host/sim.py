@@ -139,14 +139,19 @@ class SimHost:
             if str(device.get("class", "")).startswith(BRIDGE_CLASS):
                 continue
             address = device["address"]
+            driver = drivers.get(address) or None
             result.append(
                 PciFunction(
                     address=address,
                     vendor=str(device.get("vendor", "")),
                     device=str(device.get("device", "")),
                     pci_class=str(device.get("class", "")),
-                    driver=drivers.get(address) or None,
+                    driver=driver,
                     iommu_group=_optional_str(device.get("iommu_group")),
+                    # What this host's module index would bind it to (see LocalHost).
+                    default_driver=_optional_str(device.get("default_driver"))
+                    if driver in (None, VFIO)
+                    else None,
                 )
             )
         return result

@@ -119,6 +119,24 @@ class Sysfs:
         except OSError:
             return ""
 
+    def modalias(self, address: str) -> str:
+        """What udev matches against modules.alias (`pci:v…d…sv…sd…bc…sc…i…`): the
+        kernel's own `modalias`, or the same string built from the ids it is made of."""
+        alias = self.attribute(address, "modalias")
+        if alias:
+            return alias
+
+        def hex_id(name: str, digits: int) -> str:
+            value = self.attribute(address, name).removeprefix("0x").upper() or "0"
+            return value.zfill(digits)
+
+        klass = hex_id("class", 6)
+        return (
+            f"pci:v{hex_id('vendor', 8)}d{hex_id('device', 8)}"
+            f"sv{hex_id('subsystem_vendor', 8)}sd{hex_id('subsystem_device', 8)}"
+            f"bc{klass[0:2]}sc{klass[2:4]}i{klass[4:6]}"
+        )
+
     def current_driver(self, address: str) -> str | None:
         link = self.device(address) / "driver"
         try:
@@ -252,8 +270,8 @@ class Switcher:
             override = self.sysfs.attribute(address, "driver_override")
             if override in ("", "(null)", wanted_override):
                 return None
-        if target == VFIO and not self.sysfs.driver(VFIO).is_dir() and self.load_module:
-            self.load_module(VFIO)
+        if target != NO_DRIVER and not self.sysfs.driver(target).is_dir() and self.load_module:
+            self.load_module(target)  # as libvirt does for the stub; the home driver too
         if target == VFIO and not self.sysfs.driver(VFIO).is_dir():
             raise SwitchFailed(
                 address, VFIO, "check driver", "vfio-pci is not loaded (run `modprobe vfio-pci`)"

@@ -86,6 +86,32 @@ def test_shared_refcount_first_switches_home_later_only_count(sim):
     assert arbiter.status().tokens[0].claimants == ("container:one", "container:two")
 
 
+def test_a_gpu_found_on_vfio_with_no_home_is_refused_or_sent_to_its_default(make_sim):
+    """Issue 11: a shared claim used to be granted with the GPU left on no driver."""
+    from simhosts import audio, gpu, host
+
+    for default, outcome in (("", "refused"), ('default_driver = "nouveau"', "nouveau")):
+        sim = make_sim(
+            host(
+                gpu("0000:0a:00.0", group=12, driver="vfio-pci", extra=default),
+                audio("0000:0a:00.1", group=12),
+                gpu("0000:0b:00.0", group=13, model="2204"),
+            ),
+            name=f"sim-{outcome}",
+        )
+        arbiter = sim.arbiter()
+        if outcome == "refused":
+            with pytest.raises(
+                ClaimRefused, match=r"no driver on this host can take 0000:0a:00\.0"
+            ):
+                arbiter.acquire("container:one", SHARED, ["gpu0"])
+            assert drivers(sim, "0000:0a:00.0") == [VFIO]
+        else:
+            arbiter.acquire("container:one", SHARED, ["gpu0"])
+            assert drivers(sim, "0000:0a:00.0") == ["nouveau"]
+            assert arbiter.ledger.read().home_of("gpu0")["0000:0a:00.0"] == "nouveau"
+
+
 def test_shared_refused_under_exclusive(sim):
     arbiter = sim.arbiter()
     arbiter.acquire("libvirt:win11", EXCL, ["gpu0"])

@@ -45,6 +45,7 @@ def make_host(tmp_path: Path, kernel: FakeKernel) -> Callable[..., LocalHost]:
             writer=kernel.write,
             sources={},
             isolate_writes=isolate_writes,
+            load_module=kernel.modprobe,
         )
 
     return make

@@ -56,6 +56,7 @@ class FakeKernel:
     loaded: set[str] = field(default_factory=lambda: {"vfio-pci"})
     refuse_probe: set[str] = field(default_factory=set)  # drivers whose probe fails
     hang_unbind: set[str] = field(default_factory=set)  # drivers whose unbind blocks
+    installed: set[str] = field(default_factory=set)  # drivers `modprobe` can load
     writes: list[tuple[str, str]] = field(default_factory=list)
     release: threading.Event = field(default_factory=threading.Event)
 
@@ -84,6 +85,15 @@ class FakeKernel:
             (self.dev / "vfio").mkdir(exist_ok=True)
             (self.dev / "vfio" / "vfio").touch()
 
+    def modprobe(self, driver: str) -> None:
+        """What the arbiter's module loader does on a real host: load an installed
+        driver (which then takes the unbound devices it matches), else nothing."""
+        if driver in self.installed and driver not in self.loaded:
+            self.load(driver)
+            for address in self.devices:
+                if self.driver_of(address) is None and self._matches(driver, address):
+                    self._bind(address, driver)
+
     def unload(self, driver: str) -> None:
         """Like rmmod: the driver lets go of its devices, then its directory goes."""
         for address in self.devices:
@@ -103,6 +113,10 @@ class FakeKernel:
         (real / "vendor").write_text(f"0x{device.vendor}\n")
         (real / "device").write_text(f"0x{device.device}\n")
         (real / "class").write_text(f"0x{device.pci_class}\n")
+        (real / "modalias").write_text(
+            f"pci:v0000{device.vendor.upper()}d0000{device.device.upper()}sv00001043sd000088E2"
+            f"bc{device.pci_class[0:2]}sc{device.pci_class[2:4]}i{device.pci_class[4:6]}\n"
+        )
         (real / "driver_override").write_text("(null)\n")
         if device.boot_vga:
             (real / "boot_vga").write_text("1\n")
