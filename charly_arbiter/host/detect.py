@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from charly_arbiter.core.model import VFIO
+from charly_arbiter.core.pci import slot_of
 from charly_arbiter.host.local import LocalHost
 from charly_arbiter.host.nvml import NvmlGpu
 from charly_arbiter.host.pcidata import function_nodes, pci_data
@@ -37,6 +38,9 @@ class FunctionInfo:
     group_members: tuple[str, ...]
     nodes: tuple[str, ...]
     boot_vga: bool
+    # How the kernel can reset it (`reset_method`, Linux >= 5.15: "flr", "bus", ...);
+    # "" when it cannot be reset at all, None when this kernel does not say.
+    reset_method: str | None
 
 
 @dataclass(frozen=True)
@@ -106,7 +110,18 @@ def describe_function(host: LocalHost, address: str) -> FunctionInfo:
         group_members=tuple(member for member in members if member != address),
         nodes=tuple(sorted(nodes)),
         boot_vga=host.sysfs.attribute(address, "boot_vga") == "1",
+        reset_method=_reset_method(host, address),
     )
+
+
+def _reset_method(host: LocalHost, address: str) -> str | None:
+    path = host.sysfs.device(address) / "reset_method"
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return ""  # the kernel refuses to read it when the device has no reset method
 
 
 def group_problems(functions: dict[str, FunctionInfo], gpu: FunctionInfo) -> list[str]:
@@ -121,6 +136,11 @@ def group_problems(functions: dict[str, FunctionInfo], gpu: FunctionInfo) -> lis
         reason = pci_data().critical_reason(member.pci_class)
         if reason:
             problems.append(f"{address} in its group is {reason} ({member.class_label})")
+        elif slot_of(address) != slot_of(gpu.address):
+            problems.append(
+                f"{address} ({member.class_label}) shares its IOMMU group without being one "
+                "of its functions, and would leave the host with it"
+            )
         if member.boot_vga:
             problems.append(f"{address} is the boot display")
     return problems
@@ -229,6 +249,12 @@ def _size(value: int | None) -> str:
     return "unlimited" if value is None else f"{value / 2**20:g} MiB"
 
 
+def _reset_label(method: str | None) -> str:
+    if method is None:
+        return ""
+    return f", reset {method.replace(' ', '/')}" if method else ", no reset method"
+
+
 def render(detection: Detection) -> str:
     lines = ["PCI functions:"]
     for f in detection.functions:
@@ -238,6 +264,7 @@ def render(detection: Detection) -> str:
             f" {f.vendor_name}, driver {f.driver or '-'}, {group}"
             + (f" with {', '.join(f.group_members)}" if f.group_members else "")
             + (f", nodes {', '.join(f.nodes)}" if f.nodes else "")
+            + _reset_label(f.reset_method)
         )
     lines += ["", "GPUs:"]
     if not detection.gpus:

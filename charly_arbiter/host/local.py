@@ -114,6 +114,41 @@ class LocalHost:
                 )
         self.nvml.close()  # an open NVML session holds /dev/nvidia* itself
         self.switcher.switch(targets)
+        self._check_health(targets)
+
+    def _check_health(self, targets: Mapping[str, str]) -> None:
+        """After a switch home: does the device answer, and does its driver see it?
+
+        A GPU that fell off the bus (a reset it does not survive) reads all ones;
+        the nvidia driver can bind a GPU it then fails to initialise, which NVML
+        shows by not listing it.  Either is a failed switch: the token is poisoned
+        with what to try.
+        """
+        home = {address: driver for address, driver in targets.items() if driver != VFIO}
+        for address, driver in sorted(home.items()):
+            if self.sysfs.config_vendor(address) == 0xFFFF:
+                raise SwitchFailed(
+                    address,
+                    target_label(driver),
+                    "health check",
+                    "its configuration space reads 0xffff: the device does not answer; "
+                    f"try a reset (`echo 1 > {self.sysfs.device(address)}/reset`), "
+                    "else power the host off and on",
+                )
+        on_nvidia = [address for address, driver in home.items() if driver == "nvidia"]
+        if on_nvidia:
+            seen = self.nvml.gpus()
+            usable = self.nvml.error is None
+            self.nvml.close()
+            for address in on_nvidia:
+                if usable and address not in seen:
+                    raise SwitchFailed(
+                        address,
+                        "nvidia",
+                        "health check",
+                        "nvidia is bound but NVML does not list the GPU (see `dmesg` for NVRM "
+                        "errors); try `nvidia-smi -r -i` on it, else reboot the host",
+                    )
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         blocker = common_blocker(token)

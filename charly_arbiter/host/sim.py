@@ -176,6 +176,12 @@ class SimHost:
                 new = driver if driver != NO_DRIVER else (home if home != VFIO else "")
                 state["drivers"][address] = new
                 state["log"].append(f"switch {address} {new or '(none)'}")
+        for address, driver in sorted(targets.items()):
+            if driver != VFIO and devices.get(address, {}).get("dead_at_home"):
+                # Bound, but it does not answer (a reset it did not survive).
+                raise SwitchFailed(
+                    address, target_label(driver), "health check", "the device does not answer"
+                )
 
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
         by_key: dict[str, str] = {}

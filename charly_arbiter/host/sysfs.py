@@ -137,6 +137,16 @@ class Sysfs:
             f"bc{klass[0:2]}sc{klass[2:4]}i{klass[4:6]}"
         )
 
+    def config_vendor(self, address: str) -> int | None:
+        """The vendor id in the function's configuration space (0xffff: it does not
+        answer on the bus, as after a failed reset); None when it cannot be read."""
+        try:
+            with (self.device(address) / "config").open("rb") as config:
+                raw = config.read(2)
+        except OSError:
+            return None
+        return int.from_bytes(raw, "little") if len(raw) == 2 else None
+
     def current_driver(self, address: str) -> str | None:
         link = self.device(address) / "driver"
         try:

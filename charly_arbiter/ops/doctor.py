@@ -20,8 +20,9 @@ from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Host
 from charly_arbiter.errors import ArbiterError
 from charly_arbiter.host import run
-from charly_arbiter.host.detect import detect, group_problems
+from charly_arbiter.host.detect import FunctionInfo, detect, group_problems
 from charly_arbiter.host.local import NVIDIA_VENDOR, LocalHost
+from charly_arbiter.host.sysfs import BRIDGE_CLASS
 from charly_arbiter.ops.history import HistoryLog, Record
 
 HOOK_PATH = Path("/etc/libvirt/hooks/qemu.d/charly-arbiter")
@@ -82,6 +83,10 @@ def host_checks(config: Config, host: Host, vm_memory: int) -> list[Check]:
             )
             continue
         problems = group_problems(functions, function)
+        members = [function, *(functions[a] for a in function.group_members if a in functions)]
+        resets = reset_check(name, members)
+        if resets is not None:
+            checks.append(resets)
         group = ", ".join((address, *function.group_members))
         checks.append(
             Check(
@@ -124,6 +129,30 @@ def host_checks(config: Config, host: Host, vm_memory: int) -> list[Check]:
         )
     )
     return checks
+
+
+def reset_check(token: str, members: Sequence[FunctionInfo]) -> Check | None:
+    """Whether the kernel can reset the token's functions between two guests (a GPU
+    without one carries a guest's state into the next, and may not start again).
+    None when this kernel does not say (no `reset_method`, before Linux 5.15)."""
+    known = {
+        f.address: f.reset_method
+        for f in members
+        if f.reset_method is not None and not f.pci_class.startswith(BRIDGE_CLASS)
+    }
+    if not known:
+        return None
+    none = sorted(address for address, method in known.items() if not method)
+    if none:
+        return Check(
+            f"reset {token}",
+            Level.WARNING,
+            f"{', '.join(none)} cannot be reset by the kernel (no reset method)",
+            "a guest may leave it in a state the next one cannot start from: prefer a slot "
+            "or card with FLR, or power the host off and on between guests",
+        )
+    methods = sorted({m for method in known.values() for m in method.split()})
+    return Check(f"reset {token}", Level.OK, f"every function can be reset ({', '.join(methods)})")
 
 
 def cdi_check(spec: Path, tokens: set[str], records: Sequence[Record]) -> Check:

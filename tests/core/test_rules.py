@@ -374,6 +374,21 @@ cdi = false
     assert cdi_generations(sim) == before
 
 
+def test_a_gpu_dead_at_home_is_poisoned_and_restore_still_converges(make_sim):
+    sim = make_sim(host_toml(gpu0="dead_at_home = true"))
+    arbiter = sim.arbiter()
+    arbiter.acquire("libvirt:win11", EXCL, ["gpu0"])
+    sim.stopped("libvirt:win11")
+    arbiter.release_claimant("libvirt:win11")
+    state = arbiter.ledger.read()
+    poison = state.poison_of("gpu0")
+    assert poison is not None and "health check" in poison.reason
+    assert drivers(sim, "0000:0a:00.0") == ["nvidia"]  # bound, but it does not answer
+    assert running(sim, "container:llm") and running(sim, "systemd:ollama.service")
+    arbiter.restore(None)
+    assert arbiter.ledger.read().leases == ()
+
+
 def test_failed_stop_after_preempting_a_shared_claimant_gives_its_lease_back(make_sim):
     sim = make_sim(host_toml(ollama="fail_stop = true"))
     arbiter = sim.arbiter()

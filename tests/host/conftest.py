@@ -36,7 +36,9 @@ def make_config(tmp_path: Path, **changes: object) -> Config:
 def make_host(tmp_path: Path, kernel: FakeKernel) -> Callable[..., LocalHost]:
     """A LocalHost over the fake tree, with the real /proc (holders are real processes)."""
 
-    def make(isolate_writes: bool = False, **changes: object) -> LocalHost:
+    def make(
+        isolate_writes: bool = False, modules_root: Path | None = None, **changes: object
+    ) -> LocalHost:
         config = make_config(tmp_path, **changes)
         return LocalHost(
             config,
@@ -46,6 +48,7 @@ def make_host(tmp_path: Path, kernel: FakeKernel) -> Callable[..., LocalHost]:
             sources={},
             isolate_writes=isolate_writes,
             load_module=kernel.modprobe,
+            **({"modules_root": modules_root} if modules_root else {}),
         )
 
     return make

@@ -48,6 +48,7 @@ class FakeDevice:
     group: str | None
     boot_vga: bool = False
     drm: tuple[str, ...] = ()  # e.g. ("card0", "renderD128") while bound to `native`
+    reset_method: str | None = "flr bus"  # None: a kernel older than 5.15 has no file
 
 
 @dataclass
@@ -118,8 +119,15 @@ class FakeKernel:
             f"bc{device.pci_class[0:2]}sc{device.pci_class[2:4]}i{device.pci_class[4:6]}\n"
         )
         (real / "driver_override").write_text("(null)\n")
+        # The first 64 bytes of configuration space: vendor and device id, little endian.
+        config = int(device.vendor, 16).to_bytes(2, "little") + int(device.device, 16).to_bytes(
+            2, "little"
+        )
+        (real / "config").write_bytes(config + bytes(60))
         if device.boot_vga:
             (real / "boot_vga").write_text("1\n")
+        if device.reset_method is not None:
+            (real / "reset_method").write_text(f"{device.reset_method}\n")
         os.symlink(f"../../../devices/pci0000:00/{device.address}", self.device_dir(device.address))
         if device.group is not None:
             group = self.sys / "kernel/iommu_groups" / device.group / "devices"

@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import AUDIO, GPU, make_config
 from fakesys import FakeKernel
 
 from charly_arbiter.core.arbiter import Arbiter
@@ -23,6 +22,9 @@ from charly_arbiter.errors import ClaimRefused
 from charly_arbiter.host.kmod import KernelModules
 from charly_arbiter.host.local import LocalHost
 from charly_arbiter.host.pcidata import pci_data
+
+GPU = "0000:0a:00.0"
+AUDIO = "0000:0a:00.1"
 
 # What depmod writes for these modules (real lines of Debian 6.1's modules.alias,
 # trimmed to the ones that matter, plus the proprietary driver's own alias).
@@ -49,19 +51,6 @@ def modules_tree(root: Path, *, nvidia: bool, nouveau: bool = True) -> Path:
     (release / "modules.dep").write_text(deps)
     (release / "modules.builtin").write_text("")
     return root / "modules"
-
-
-def host_over(kernel: FakeKernel, tmp_path: Path, modules: Path) -> LocalHost:
-    return LocalHost(
-        make_config(tmp_path),
-        sys_root=kernel.sys,
-        dev_root=kernel.dev,
-        writer=kernel.write,
-        sources={},
-        isolate_writes=False,
-        modules_root=modules,
-        load_module=kernel.modprobe,
-    )
 
 
 def strand_on_vfio(host: LocalHost, kernel: FakeKernel) -> None:
@@ -98,11 +87,11 @@ def test_the_data_file_prefers_the_vendor_driver_then_any_module_but_a_stub():
 
 @pytest.mark.parametrize(("nvidia", "expected"), [(True, "nvidia"), (False, "nouveau")])
 def test_a_gpu_found_on_vfio_with_no_home_goes_to_the_driver_the_kernel_has(
-    tmp_path, kernel, nvidia, expected
+    tmp_path, make_host, kernel, nvidia, expected
 ):
     kernel.installed = {"nvidia", "nouveau"} if nvidia else {"nouveau"}
     kernel.devices[GPU].native = expected  # which of the two matches it first here
-    host = host_over(kernel, tmp_path, modules_tree(tmp_path, nvidia=nvidia))
+    host = make_host(modules_root=modules_tree(tmp_path, nvidia=nvidia))
     strand_on_vfio(host, kernel)
     arbiter = Arbiter(host.config, host, Ledger(host.config.state_dir, 5))
     plan = arbiter.acquire("container:llm", Mode.SHARED, ["gpu0"])
@@ -114,8 +103,10 @@ def test_a_gpu_found_on_vfio_with_no_home_goes_to_the_driver_the_kernel_has(
     assert expected in kernel.loaded  # loaded for the switch, as libvirt loads the stub
 
 
-def test_a_gpu_no_driver_can_take_refuses_a_shared_claim_with_the_reason(tmp_path, kernel):
-    host = host_over(kernel, tmp_path, modules_tree(tmp_path, nvidia=False, nouveau=False))
+def test_a_gpu_no_driver_can_take_refuses_a_shared_claim_with_the_reason(
+    tmp_path, make_host, kernel
+):
+    host = make_host(modules_root=modules_tree(tmp_path, nvidia=False, nouveau=False))
     strand_on_vfio(host, kernel)
     arbiter = Arbiter(host.config, host, Ledger(host.config.state_dir, 5))
     with pytest.raises(ClaimRefused) as refused:
@@ -126,13 +117,15 @@ def test_a_gpu_no_driver_can_take_refuses_a_shared_claim_with_the_reason(tmp_pat
     assert arbiter.ledger.read().leases == ()
 
 
-def test_a_configured_home_driver_wins_over_the_module_index(tmp_path, kernel):
+def test_a_configured_home_driver_wins_over_the_module_index(tmp_path, make_host, kernel):
     from charly_arbiter.core.config import TokenConfig
 
     kernel.installed = {"nouveau"}
     kernel.devices[GPU].native = "nouveau"
-    host = host_over(kernel, tmp_path, modules_tree(tmp_path, nvidia=False))
-    host.config = make_config(tmp_path, tokens=(TokenConfig("gpu0", GPU, home_driver="nvidia"),))
+    host = make_host(
+        modules_root=modules_tree(tmp_path, nvidia=False),
+        tokens=(TokenConfig("gpu0", GPU, home_driver="nvidia"),),
+    )
     strand_on_vfio(host, kernel)
     arbiter = Arbiter(host.config, host, Ledger(host.config.state_dir, 5))
     plan = arbiter.plan("container:llm", Mode.SHARED, ["gpu0"])

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import sys
-import types
 from pathlib import Path
 
 import pytest
+from fakenvml import FakeGpu, fake_pynvml
 from fakesys import FakeDevice
 
 from charly_arbiter.host.detect import amd_gfx_targets, detect, document, render
@@ -17,36 +17,10 @@ from charly_arbiter.host.nvml import Nvml, normalize_bus_id
 GPU = "0000:0a:00.0"
 
 
-def fake_pynvml(calls: list[str]) -> types.ModuleType:
-    module = types.ModuleType("pynvml")
-
-    class NVMLError(Exception):
-        pass
-
-    def record(name, value=None):
-        def call(*args):
-            calls.append(name)
-            return value
-
-        return call
-
-    handle = object()
-    module.NVMLError = NVMLError
-    module.nvmlInit = record("init")
-    module.nvmlShutdown = record("shutdown")
-    module.nvmlDeviceGetCount = record("count", 1)
-    module.nvmlDeviceGetHandleByIndex = record("handle", handle)
-    module.nvmlDeviceGetPciInfo = record("pci", types.SimpleNamespace(busId=b"00000000:0A:00.0"))
-    module.nvmlDeviceGetName = record("name", "NVIDIA GeForce RTX 4090")
-    module.nvmlDeviceGetUUID = record("uuid", "GPU-1234")
-    module.nvmlDeviceGetMemoryInfo = record("memory", types.SimpleNamespace(total=24 * 2**30))
-    module.nvmlDeviceGetComputeRunningProcesses = record(
-        "compute", [types.SimpleNamespace(pid=4242, usedGpuMemory=2**30)]
-    )
-    module.nvmlDeviceGetGraphicsRunningProcesses = record(
-        "graphics", [types.SimpleNamespace(pid=77, usedGpuMemory=None)]
-    )
-    return module
+def one_gpu(calls: list[str]):
+    """The RTX 4090 at 0a:00.0 with a compute and a graphics process."""
+    gpu = FakeGpu("00000000:0A:00.0", compute=[(4242, 2**30)], graphics=[(77, None)])
+    return fake_pynvml(calls, [gpu])
 
 
 def test_bus_ids_are_normalized():
@@ -56,7 +30,7 @@ def test_bus_ids_are_normalized():
 
 def test_detect_uses_nvml_for_nvidia_and_closes_it(make_host, monkeypatch):
     calls: list[str] = []
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(calls))
+    monkeypatch.setitem(sys.modules, "pynvml", one_gpu(calls))
     result = detect(make_host())
     [gpu] = [g for g in result.gpus if g.address == GPU]
     assert (gpu.source, gpu.name, gpu.uuid) == ("nvml", "NVIDIA GeForce RTX 4090", "GPU-1234")
@@ -67,7 +41,7 @@ def test_detect_uses_nvml_for_nvidia_and_closes_it(make_host, monkeypatch):
 
 def test_switch_closes_nvml_before_the_first_write(make_host, kernel, monkeypatch):
     events: list[str] = []
-    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(events))
+    monkeypatch.setitem(sys.modules, "pynvml", one_gpu(events))
     host = make_host()
     writer = host.sysfs.writer
     host.sysfs.writer = lambda path, text: (events.append("write"), writer(path, text))[1]
@@ -160,3 +134,36 @@ def test_memlock_is_compared_with_the_vm_size(make_host):
     assert small.memlock_enough
     if soft != resource.RLIM_INFINITY:
         assert not detect(make_host(), vm_memory=soft + 1).vfio.memlock_enough
+
+
+def test_detect_reports_reset_methods_and_foreign_group_members(tmp_path, make_host, kernel):
+    """Issue 11: each function's reset_method, and a GPU whose group holds a device that
+    is not one of its functions (a NIC behind the same switch) is not viable."""
+    kernel.add(FakeDevice("0000:0c:00.0", "8086", "15f3", "020000", None, "13", reset_method=""))
+    result = detect(make_host())
+    by_address = {f.address: f for f in result.functions}
+    assert by_address[GPU].reset_method == "flr bus"
+    assert by_address["0000:0c:00.0"].reset_method == ""
+    [other] = [g for g in result.gpus if g.address == "0000:0b:00.0"]
+    assert not other.viable
+    assert any(
+        "0000:0c:00.0" in why and "shares its IOMMU group" in why
+        for why in other.not_viable_because
+    )
+    text = render(result)
+    assert "reset flr/bus" in text and "no reset method" in text
+    assert json.loads(json.dumps(document(result)))["functions"][0]["reset_method"] is not None
+
+
+def test_doctor_warns_about_a_function_without_a_reset_method(make_host, kernel):
+    from charly_arbiter.ops.doctor import Level, host_checks
+
+    host = make_host()
+    kernel_audio = kernel.device_dir("0000:0a:00.1").resolve() / "reset_method"
+    kernel_audio.write_text("\n")
+    checks = {c.name: c for c in host_checks(host.config, host, 2**30)}
+    assert checks["reset gpu0"].level is Level.WARNING
+    assert "0000:0a:00.1 cannot be reset" in checks["reset gpu0"].message
+    kernel_audio.write_text("flr\n")
+    checks = {c.name: c for c in host_checks(host.config, host, 2**30)}
+    assert checks["reset gpu0"].level is Level.OK
