@@ -23,6 +23,7 @@ from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed
 from charly_arbiter.host import run
 from charly_arbiter.host.blocking import Writer
 from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory
+from charly_arbiter.host.holders.nvidia import NvidiaPersistence
 from charly_arbiter.host.holders.process import ProcessHolders
 from charly_arbiter.host.kmod import MODULES_ROOT, KernelModules
 from charly_arbiter.host.nvml import Nvml
@@ -66,11 +67,16 @@ class LocalHost:
             load_module=load_module or (lambda driver: _modprobe(pci_data().module_of(driver))),
             isolate=isolate_writes,
         )
-        self.processes = ProcessHolders(config, self.sysfs, proc_root, dev_root)
-        # Processes are this host's own; every other kind comes from `sources`.
-        others = {k: f for k, f in (sources or {}).items() if k != ProcessHolders.kind}
-        self.registry = HolderRegistry(config, others)
         self.nvml = Nvml()
+        self.processes = ProcessHolders(
+            config, self.sysfs, proc_root, dev_root, nvml_processes=self._nvml_processes
+        )
+        self.persistence = NvidiaPersistence(config)
+        # Processes (and the NVIDIA daemon's hold on a GPU) are this host's own; every
+        # other kind comes from `sources`.
+        own = (ProcessHolders.kind, NvidiaPersistence.kind)
+        others = {k: f for k, f in (sources or {}).items() if k not in own}
+        self.registry = HolderRegistry(config, others)
 
     def boot_id(self) -> str:
         path = self.proc_root / "sys" / "kernel" / "random" / "boot_id"
@@ -190,9 +196,19 @@ class LocalHost:
         return found
 
     def source(self, ref: Claimant) -> HolderSource:
-        if Claimant.parse(ref).kind == ProcessHolders.kind:
+        kind = Claimant.parse(ref).kind
+        if kind == ProcessHolders.kind:
             return self.processes
+        if kind == NvidiaPersistence.kind:
+            return self.persistence
         return self.registry.for_ref(ref)
+
+    def _nvml_processes(self) -> dict[str, frozenset[int]] | None:
+        """Who has a context on each NVIDIA GPU, as NVML says (None: NVML unusable)."""
+        gpus = self.nvml.gpus()
+        if self.nvml.error is not None:
+            return None
+        return {address: frozenset(p.pid for p in gpu.processes) for address, gpu in gpus.items()}
 
     def is_running(self, ref: Claimant) -> bool:
         return self.source(ref).is_running(ref)

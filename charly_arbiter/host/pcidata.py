@@ -26,6 +26,7 @@ class NodeRule:
     dev: str  # a path under the /dev root, with {name}, {minor} or {group}
     sysfs: str | None = None
     driver: str | None = None
+    scope: str = "function"  # or "driver": the driver's own node, shared by its GPUs
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ def function_nodes(
     found: dict[str, str] = {}
     device = sysfs.device(function.address)
     for rule in pci_data().nodes:
+        if rule.scope != "function":
+            continue
         names: list[dict[str, str]] = []
         if rule.sysfs is not None:
             names = [{"name": match.name} for match in sorted(device.glob(rule.sysfs))]
@@ -106,5 +109,15 @@ def function_nodes(
         for fields in names:
             node = dev_root / rule.dev.format(**{"name": "", "minor": "", "group": "", **fields})
             if node.exists():
+                found[str(node)] = rule.kind
+    return found
+
+
+def driver_nodes(dev_root: Path, driver: str) -> dict[str, str]:
+    """The nodes `driver` itself has (shared by every device bound to it): path -> kind."""
+    found: dict[str, str] = {}
+    for rule in pci_data().nodes:
+        if rule.scope == "driver" and rule.driver == driver:
+            for node in sorted(dev_root.glob(rule.dev)):
                 found[str(node)] = rule.kind
     return found

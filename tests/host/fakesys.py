@@ -300,3 +300,28 @@ def gpu_with_audio(root: Path) -> FakeKernel:
     )
     kernel.add(FakeDevice("0000:00:17.0", "8086", "7ae2", "010601", "ahci", "14"))
     return kernel
+
+
+class FakeProc:
+    """/proc for a test: the real entries of the processes it names (symlinks to
+    /proc/PID, so their fds, stat and exe are the kernel's own), the boot id, and
+    the files the nvidia driver adds under /proc/driver/nvidia, which exist only
+    where that driver runs (`gpus/ADDRESS/information` with its "Device Minor")."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        (root / "sys/kernel/random").mkdir(parents=True, exist_ok=True)
+        (root / "sys/kernel/random/boot_id").write_text("6f0c1f5e-0000-4000-8000-000000000001\n")
+        self.show(os.getpid())
+
+    def show(self, pid: int) -> None:
+        link = self.root / str(pid)
+        if not link.exists():
+            link.symlink_to(f"/proc/{pid}")
+
+    def nvidia_gpu(self, address: str, minor: int) -> None:
+        directory = self.root / "driver/nvidia/gpus" / address
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "information").write_text(
+            f"Model: \t\t NVIDIA GeForce RTX 4090\nIRQ:   \t\t 160\nDevice Minor: \t {minor}\n"
+        )

@@ -4,7 +4,6 @@ found through the real /proc, refused or terminated by policy."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 
 from charly_arbiter.core.host import TokenSpec
 from charly_arbiter.errors import HolderError
-from charly_arbiter.host.holders.process import PERSISTENCED_UNIT, ProcessHolders
+from charly_arbiter.host.holders.process import ProcessHolders
 from charly_arbiter.host.procscan import alive, scan
 
 GPU = "0000:0a:00.0"
@@ -94,22 +93,6 @@ def test_zombies_hold_nothing(tmp_path):
     os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped: a zombie
     assert not alive(Path("/proc"), process.pid)
     process.wait()
-
-
-def test_nvidia_persistenced_is_a_service_to_stop_and_restart(make_host, kernel, tmp_path):
-    program = tmp_path / "nvidia-persistenced"
-    shutil.copy("/bin/sleep", program)
-    with open(kernel.dev / "dri" / "card1", "rb") as node:
-        daemon = subprocess.Popen([str(program), "60"], stdin=node)
-    try:
-        host = make_host(process_policy="refuse")
-        [found] = host.holders([token(host)])
-        assert found.ref == PERSISTENCED_UNIT
-        assert found.preemptible and found.restartable
-        assert f"pid {daemon.pid}" in found.detail
-    finally:
-        daemon.kill()
-        daemon.wait()
 
 
 def test_own_process_is_not_a_holder(make_host, kernel):

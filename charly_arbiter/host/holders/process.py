@@ -5,10 +5,20 @@ node), or terminated when `device_holder_policy = "terminate"`: SIGTERM, then
 SIGKILL after the holder stop timeout.  A terminated process cannot be
 brought back, so these holders are not restartable.
 
-`nvidia-persistenced` is the exception: it holds /dev/nvidia* on purpose, is
-stopped for a claim and must come back afterwards, so it is reported as the
-service `systemd:nvidia-persistenced.service` (stopped and started by the
-systemd holder source) rather than as a process to kill.
+What counts as holding an NVIDIA GPU (the driver's documented nodes, see
+data/pci.toml): its own `/dev/nvidiaN`, and the driver-wide nodes
+(`nvidiactl`, `nvidia-uvm`, `nvidia-uvm-tools`, `nvidia-modeset`,
+`nvidia-caps/*`) that every CUDA process opens.  A process holding only
+driver-wide nodes holds every NVIDIA token, unless NVML's per-GPU process
+lists place it on other GPUs and on none of the claimed ones; a process NVML
+lists on a claimed GPU holds it whatever the scan saw.  (Conservative on
+purpose: a process NVML lists nowhere may be between `cuInit` and its first
+context, and an unbind under it would hang.)
+
+`nvidia-persistenced` holds /dev/nvidiaN of every GPU in persistence mode on
+purpose; it is not stopped for a claim but asked to let go of that one GPU
+(`nvidia-persistence:ADDRESS`, see holders/nvidia.py), and its driver-wide
+nodes do not make it a holder of anything.
 """
 
 from __future__ import annotations
@@ -17,23 +27,28 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Holder, TokenSpec
 from charly_arbiter.core.model import Claimant
 from charly_arbiter.errors import HolderError
-from charly_arbiter.host.pcidata import function_nodes
-from charly_arbiter.host.procscan import OpenNode, alive, program_name, scan
+from charly_arbiter.host.holders.nvidia import persistence_ref
+from charly_arbiter.host.pcidata import driver_nodes, function_nodes
+from charly_arbiter.host.procscan import alive, command_name, program_name, scan
 from charly_arbiter.host.sysfs import DEV_ROOT, PROC_ROOT, Sysfs
 
 log = logging.getLogger(__name__)
 
 PERSISTENCED = "nvidia-persistenced"
-PERSISTENCED_UNIT = Claimant.parse("systemd:nvidia-persistenced.service")
+NVIDIA = "nvidia"
 _KILL_WAIT = 5.0
 _POLL = 0.05
+
+# address -> the pids NVML lists with a context on that GPU; None where NVML is
+# not usable (no driver, no library).
+NvmlProcesses = Callable[[], Mapping[str, frozenset[int]] | None]
 
 
 class ProcessHolders:
@@ -45,62 +60,120 @@ class ProcessHolders:
         sysfs: Sysfs | None = None,
         proc_root: Path = PROC_ROOT,
         dev_root: Path = DEV_ROOT,
+        nvml_processes: NvmlProcesses = lambda: None,
     ) -> None:
         self.config = config
         self.sysfs = sysfs or Sysfs()
         self.proc_root = proc_root
         self.dev_root = dev_root
+        self.nvml_processes = nvml_processes
 
-    def open_nodes(self, tokens: Sequence[TokenSpec]) -> dict[str, list[OpenNode]]:
-        """token name -> every (pid, command, node) holding one of its nodes."""
-        node_token: dict[str, str] = {}
+    def _nodes(self, tokens: Sequence[TokenSpec]) -> tuple[dict[str, str], dict[str, set[str]]]:
+        """(a function's own node -> its token, a driver-wide node -> the tokens with a
+        function bound to that driver)."""
+        own: dict[str, str] = {}
+        shared: dict[str, set[str]] = {}
         for token in tokens:
             for function in token.functions:
                 if not self.sysfs.exists(function.address):
                     continue
                 fresh = self.sysfs.function(function.address)
                 for node in function_nodes(self.sysfs, self.dev_root, self.proc_root, fresh):
-                    node_token[node] = token.name
-        by_token: dict[str, list[OpenNode]] = {}
-        for found in scan(self.proc_root, node_token, exclude={os.getpid()}):
-            by_token.setdefault(node_token[found.node], []).append(found)
-        return by_token
+                    own[node] = token.name
+                if fresh.driver == NVIDIA:
+                    for node in driver_nodes(self.dev_root, NVIDIA):
+                        shared.setdefault(node, set()).add(token.name)
+        return own, shared
 
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
-        pids: dict[int, list[tuple[str, OpenNode]]] = {}
-        for token, opened in self.open_nodes(tokens).items():
-            for item in opened:
-                pids.setdefault(item.pid, []).append((token, item))
-        terminate = self.config.process_policy == "terminate"
-        stop_wait = self.config.timeouts.holder_stop
+        own, shared = self._nodes(tokens)
+        held: dict[int, dict[str, set[str]]] = {}  # pid -> token -> nodes
+        ours = {os.getpid()}
+        for opened in scan(self.proc_root, {*own, *shared}, exclude=ours):
+            names = {own[opened.node]} if opened.node in own else set(shared[opened.node])
+            for name in names:
+                held.setdefault(opened.pid, {}).setdefault(name, set()).add(opened.node)
+        gpus = {  # token -> its functions' addresses that are on nvidia
+            token.name: {f.address for f in token.functions if f.driver == NVIDIA}
+            for token in tokens
+        }
+        nvml = self.nvml_processes() if any(gpus.values()) else None
+        if nvml is not None:
+            self._apply_nvml(held, own, gpus, nvml, ours)
         found: list[Holder] = []
-        for pid, items in sorted(pids.items()):
-            held = tuple(dict.fromkeys(token for token, _ in items))
-            nodes = ", ".join(sorted({item.node for _, item in items}))
-            comm = items[0][1].comm
+        for pid, by_token in sorted(held.items()):
             if program_name(self.proc_root, pid) == PERSISTENCED:
-                found.append(
-                    Holder(
-                        ref=PERSISTENCED_UNIT,
-                        tokens=held,
-                        preemptible=True,
-                        running=True,
-                        how="systemctl stop (restarted afterwards)",
-                        detail=f"pid {pid} has {nodes} open",
-                    )
-                )
+                found.extend(self._persistence(pid, by_token, own, gpus))
                 continue
+            nodes = ", ".join(sorted({node for n in by_token.values() for node in n}))
+            comm = command_name(self.proc_root, pid)
+            terminate = self.config.process_policy == "terminate"
             found.append(
                 Holder(
                     ref=Claimant.of("process", str(pid)),
-                    tokens=held,
+                    tokens=tuple(sorted(by_token)),
                     preemptible=terminate,
                     running=True,
-                    how=f"SIGTERM, SIGKILL after {stop_wait:g} s",
+                    how=f"SIGTERM, SIGKILL after {self.config.timeouts.holder_stop:g} s",
                     detail=f"pid {pid} {comm} has {nodes} open",
                     restartable=False,
                 )
             )
+        return found
+
+    def _apply_nvml(
+        self,
+        held: dict[int, dict[str, set[str]]],
+        own: Mapping[str, str],
+        gpus: Mapping[str, set[str]],
+        nvml: Mapping[str, frozenset[int]],
+        ours: set[int],
+    ) -> None:
+        """Drop the driver-wide holding of a process NVML places on other GPUs only, and
+        add every process NVML lists on a claimed GPU (in place)."""
+        where: dict[int, set[str]] = {}
+        for address, pids in nvml.items():
+            for pid in pids:
+                where.setdefault(pid, set()).add(address)
+        for pid, by_token in held.items():
+            if pid not in where:
+                continue
+            for name in list(by_token):
+                only_shared = all(node not in own for node in by_token[name])
+                if only_shared and not where[pid] & gpus[name]:
+                    del by_token[name]
+        for name, addresses in gpus.items():
+            for address in sorted(addresses):
+                for pid in sorted(nvml.get(address, ())):
+                    if pid not in ours and alive(self.proc_root, pid):
+                        label = f"a context on {address} (NVML)"
+                        held.setdefault(pid, {}).setdefault(name, set()).add(label)
+        for pid in [pid for pid, by_token in held.items() if not by_token]:
+            del held[pid]
+
+    def _persistence(
+        self,
+        pid: int,
+        by_token: Mapping[str, set[str]],
+        own: Mapping[str, str],
+        gpus: Mapping[str, set[str]],
+    ) -> list[Holder]:
+        """nvidia-persistenced as a holder of the GPUs whose own node it has open."""
+        found = []
+        for name, nodes in sorted(by_token.items()):
+            if not any(node in own for node in nodes):
+                continue  # its driver-wide nodes hold no GPU
+            for address in sorted(gpus.get(name, ())):
+                found.append(
+                    Holder(
+                        ref=persistence_ref(address),
+                        tokens=(name,),
+                        preemptible=True,
+                        running=True,
+                        how="persistence mode off for this GPU (back on afterwards)",
+                        detail=f"pid {pid} {PERSISTENCED} has {', '.join(sorted(nodes))} open",
+                    )
+                )
         return found
 
     def is_running(self, ref: Claimant) -> bool:
