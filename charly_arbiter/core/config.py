@@ -29,6 +29,9 @@ ENV_HOST = "CHARLY_ARBITER_HOST"
 
 PROCESS_POLICIES = ("refuse", "terminate")
 PREEMPTION_POLICIES = ("stop", "refuse")
+# A GPU that drives the host's console or display: refuse to take it, or take the
+# console off it (and give it back when the GPU comes home).
+CONSOLE_POLICIES = ("refuse", "release")
 HOLDER_KINDS = ("systemd", "container", "libvirt")
 
 
@@ -67,6 +70,7 @@ class TokenConfig:
     address: str
     home_driver: str | None = None
     cdi: bool = True
+    console: str | None = None  # None: the top-level `console`
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,7 @@ class Config:
     libvirt_uri: str = DEFAULT_LIBVIRT_URI
     libvirt_preemption: str = "stop"
     process_policy: str = "refuse"
+    console: str = "refuse"
     hook_log: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     tokens: tuple[TokenConfig, ...] = ()
@@ -187,6 +192,7 @@ def _parse(path: Path, table: dict[str, Any]) -> Config:
         "libvirt_uri",
         "libvirt_preemption",
         "device_holder_policy",
+        "console",
         "hook_log",
         "timeouts",
         "tokens",
@@ -221,6 +227,7 @@ def _parse(path: Path, table: dict[str, Any]) -> Config:
         libvirt_uri=reader.text(table, "libvirt_uri", defaults.libvirt_uri),
         libvirt_preemption=reader.choice(table, "libvirt_preemption", PREEMPTION_POLICIES),
         process_policy=reader.choice(table, "device_holder_policy", PROCESS_POLICIES),
+        console=reader.choice(table, "console", CONSOLE_POLICIES),
         hook_log=Path(hook_log) if hook_log else None,
         timeouts=timeouts,
         tokens=tokens,
@@ -234,7 +241,7 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
         raise ConfigError(reader.path, key, "expected a table with an address")
     if not name or not all(c.isalnum() or c in "-_." for c in name):
         raise ConfigError(reader.path, key, "a token name may only use letters, digits, - _ .")
-    reader.no_unknown_keys(spec, {"address", "home_driver", "cdi"}, f"{key}.")
+    reader.no_unknown_keys(spec, {"address", "home_driver", "cdi", "console"}, f"{key}.")
     address = reader.get(spec, "address", str, None, f"{key}.address")
     if address is None:
         raise ConfigError(reader.path, f"{key}.address", "is missing")
@@ -254,6 +261,9 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
         address=address,
         home_driver=home_driver,
         cdi=reader.get(spec, "cdi", bool, True, f"{key}.cdi"),
+        console=reader.choice(spec, "console", CONSOLE_POLICIES, f"{key}.console")
+        if "console" in spec
+        else None,
     )
 
 
@@ -348,10 +358,12 @@ class _Reader:
             )
         return str(value)
 
-    def choice(self, table: dict[str, Any], name: str, choices: tuple[str, ...]) -> str:
+    def choice(
+        self, table: dict[str, Any], name: str, choices: tuple[str, ...], key: str = ""
+    ) -> str:
         value = table.get(name, choices[0])
         if value not in choices:
-            raise ConfigError(self.path, name, f"expected one of {', '.join(choices)}")
+            raise ConfigError(self.path, key or name, f"expected one of {', '.join(choices)}")
         return str(value)
 
     def no_unknown_keys(self, table: dict[str, Any], known: set[str], prefix: str) -> None:

@@ -51,6 +51,7 @@ class TokenSpec:
     functions: tuple[PciFunction, ...]
     home_driver: str | None = None  # from the configuration, when the operator set one
     cdi: bool = True
+    console: str = "refuse"  # a GPU driving the console: refuse, or "release" the console
 
     def foreign_functions(self) -> tuple[PciFunction, ...]:
         """Members of the GPU's IOMMU group that are not functions of the GPU itself

@@ -32,12 +32,19 @@ class TokenCatalogue:
                 for token in self.config.tokens:
                     functions = tuple(self.host.token_functions(token.name, token.address))
                     specs[token.name] = TokenSpec(
-                        token.name, token.address, functions, token.home_driver, token.cdi
+                        token.name,
+                        token.address,
+                        functions,
+                        token.home_driver,
+                        token.cdi,
+                        token.console or self.config.console,
                     )
             else:
                 for gpu in self.host.gpus():
                     functions = tuple(self.host.token_functions(gpu.address, gpu.address))
-                    specs[gpu.address] = TokenSpec(gpu.address, gpu.address, functions)
+                    specs[gpu.address] = TokenSpec(
+                        gpu.address, gpu.address, functions, console=self.config.console
+                    )
             self._specs = specs
         return self._specs
 

@@ -115,13 +115,23 @@ def describe_function(host: LocalHost, address: str) -> FunctionInfo:
 
 
 def _reset_method(host: LocalHost, address: str) -> str | None:
+    """Linux 5.15 and later show `reset_method` only for a device that has one."""
     path = host.sysfs.device(address) / "reset_method"
     try:
         return path.read_text().strip()
     except FileNotFoundError:
-        return None
+        return "" if _kernel_at_least(host, (5, 15)) else None
     except OSError:
-        return ""  # the kernel refuses to read it when the device has no reset method
+        return ""
+
+
+def _kernel_at_least(host: LocalHost, wanted: tuple[int, int]) -> bool:
+    try:
+        release = (host.proc_root / "sys" / "kernel" / "osrelease").read_text()
+        major, minor = (int(part) for part in release.split(".")[:2])
+    except (OSError, ValueError):
+        return False
+    return (major, minor) >= wanted
 
 
 def group_problems(functions: dict[str, FunctionInfo], gpu: FunctionInfo) -> list[str]:

@@ -22,6 +22,7 @@ from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
 from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed
 from charly_arbiter.host import run
 from charly_arbiter.host.blocking import Writer
+from charly_arbiter.host.console import Console
 from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory
 from charly_arbiter.host.holders.nvidia import NvidiaPersistence
 from charly_arbiter.host.holders.process import ProcessHolders
@@ -66,6 +67,13 @@ class LocalHost:
             config.timeouts.driver_switch,
             load_module=load_module or (lambda driver: _modprobe(pci_data().module_of(driver))),
             isolate=isolate_writes,
+        )
+        self.console = Console(
+            self.sysfs,
+            proc_root,
+            dev_root,
+            self.switcher.blocking_writer,
+            config.timeouts.driver_switch,
         )
         self.nvml = Nvml()
         self.processes = ProcessHolders(
@@ -119,7 +127,12 @@ class LocalHost:
                     f"it is not a function of {token.name}",
                 )
         self.nvml.close()  # an open NVML session holds /dev/nvidia* itself
+        leaving = any(driver == VFIO for driver in targets.values())
+        if leaving and token.console == "release":
+            self.console.release(token)
         self.switcher.switch(targets)
+        if not leaving and token.console == "release":
+            self.console.restore(token)
         self._check_health(targets)
 
     def _check_health(self, targets: Mapping[str, str]) -> None:
@@ -164,6 +177,15 @@ class LocalHost:
                 "install the kernel's modules package (vfio-pci is part of it) "
                 "and check `modprobe vfio-pci`",
             )
+        if blocker is None and token.console == "refuse":
+            display = self.console.of(token, servers=True)
+            if display.drives_it:
+                blocker = Blocker(
+                    f"it drives the host's display: {display.describe()}",
+                    "stop what draws on it (list the display manager as a preemptible holder), "
+                    f'or set `console = "release"` for {token.name} in arbiter.toml to let the '
+                    "arbiter take the console off it and give it back afterwards",
+                )
         return blocker
 
     def _vfio_available(self) -> bool:

@@ -253,6 +253,16 @@ class SimHost:
                 "vfio-pci is neither loaded nor installed (simulated: vfio_pci = false)",
                 "install the kernel's vfio-pci module",
             )
+        addresses = {f.address for f in token.functions}
+        console = [
+            d["address"] for d in self._devices() if d.get("console") and d["address"] in addresses
+        ]
+        if blocker is None and console and token.console == "refuse":
+            blocker = Blocker(
+                f"it drives the host's display: the text console runs on it "
+                f"(simulated: console = true on {', '.join(console)})",
+                f'set `console = "release"` for {token.name} in arbiter.toml',
+            )
         return blocker
 
     def current_process(self) -> ProcessRef:

@@ -112,6 +112,22 @@ def test_a_gpu_found_on_vfio_with_no_home_is_refused_or_sent_to_its_default(make
             assert arbiter.ledger.read().home_of("gpu0")["0000:0a:00.0"] == "nouveau"
 
 
+def test_a_gpu_with_the_console_is_refused_unless_the_token_releases_it(make_sim):
+    from charly_arbiter.errors import PassthroughImpossible
+
+    sim = make_sim(host_toml(gpu0="console = true"))
+    with pytest.raises(PassthroughImpossible, match="the text console runs on it"):
+        sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"])
+    assert drivers(sim, "0000:0a:00.0") == ["nvidia"]
+    assert running(sim, "container:llm")  # refused before anything was stopped
+    config = sim.config_path.read_text().replace(
+        'address = "0000:0a:00.0"', 'address = "0000:0a:00.0"\nconsole = "release"'
+    )
+    sim.config_path.write_text(config)
+    sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"])
+    assert drivers(sim, "0000:0a:00.0") == [VFIO]
+
+
 def test_shared_refused_under_exclusive(sim):
     arbiter = sim.arbiter()
     arbiter.acquire("libvirt:win11", EXCL, ["gpu0"])

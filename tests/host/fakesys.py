@@ -49,6 +49,7 @@ class FakeDevice:
     boot_vga: bool = False
     drm: tuple[str, ...] = ()  # e.g. ("card0", "renderD128") while bound to `native`
     reset_method: str | None = "flr bus"  # None: a kernel older than 5.15 has no file
+    framebuffer: str | None = None  # e.g. "fb0": the DRM driver's fbdev, while `native`
 
 
 @dataclass
@@ -85,6 +86,24 @@ class FakeKernel:
         if driver == "vfio-pci":
             (self.dev / "vfio").mkdir(exist_ok=True)
             (self.dev / "vfio" / "vfio").touch()
+
+    def fbcon(self, bound: bool = True) -> None:
+        """The kernel's consoles: the VGA text console, and fbcon (bound: it draws on
+        the framebuffers)."""
+        for number, (name, state) in enumerate((("(S) VGA+", 0), ("(M) frame buffer device", 1))):
+            vtcon = self.sys / "class/vtconsole" / f"vtcon{number}"
+            vtcon.mkdir(parents=True, exist_ok=True)
+            (vtcon / "name").write_text(name + "\n")
+            (vtcon / "bind").write_text(f"{state if bound else 0}\n")
+
+    def platform_framebuffer(self, driver: str = "efi-framebuffer") -> None:
+        """The firmware's framebuffer (efifb, simpledrm) as a bound platform device."""
+        directory = self.sys / "bus/platform/drivers" / driver
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "unbind").touch()
+        device = self.sys / "devices/platform" / f"{driver}.0"
+        device.mkdir(parents=True, exist_ok=True)
+        (directory / f"{driver}.0").symlink_to(device)
 
     def modprobe(self, driver: str) -> None:
         """What the arbiter's module loader does on a real host: load an installed
@@ -171,6 +190,17 @@ class FakeKernel:
             self._store_new_id(owner.name, text)
         elif owner == self._bus() and attribute == "drivers_probe":
             self._store_probe(_device_name(text))
+        elif owner.parent == (self.sys / "class/vtconsole").resolve() and attribute == "bind":
+            if text.strip() not in ("0", "1"):
+                raise _error(errno.EINVAL, path)
+            path.write_text(text.strip() + "\n")  # con_store_bind: fbcon unbound or bound
+        elif (
+            owner.parent == (self.sys / "bus/platform/drivers").resolve() and attribute == "unbind"
+        ):
+            device = owner / text.strip()
+            if not device.is_symlink():
+                raise _error(errno.ENODEV, path)
+            device.unlink()
         else:
             raise _error(errno.EACCES, path)  # a read-only attribute (mode 0444)
 
@@ -256,6 +286,13 @@ class FakeKernel:
             for name in device.drm:
                 (real / "drm" / name).mkdir(exist_ok=True)
                 (self.dev / "dri" / name).touch()
+        if driver == device.native and device.framebuffer:
+            # The driver registers its framebuffer, and a bound fbcon takes it over.
+            (real / "graphics" / device.framebuffer).mkdir(parents=True, exist_ok=True)
+            (real / "graphics" / device.framebuffer / "device").symlink_to("../..")
+            (self.sys / "class/graphics").mkdir(parents=True, exist_ok=True)
+            link = self.sys / "class/graphics" / device.framebuffer
+            link.symlink_to(real / "graphics" / device.framebuffer)
 
     def _unbind(self, address: str) -> None:
         device = self.devices[address]
@@ -273,6 +310,10 @@ class FakeKernel:
             for name in device.drm:
                 (real / "drm" / name).rmdir()
                 (self.dev / "dri" / name).unlink(missing_ok=True)
+            if device.framebuffer:
+                (self.sys / "class/graphics" / device.framebuffer).unlink()
+                (real / "graphics" / device.framebuffer / "device").unlink()
+                (real / "graphics" / device.framebuffer).rmdir()
 
 
 def _device_name(text: str) -> str:

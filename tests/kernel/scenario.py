@@ -38,6 +38,8 @@ lock_wait = 30
 
 [tokens.gpu]
 address = "{gpu}"
+# fbcon draws on bochs-drm's fb0 in this guest: the arbiter takes it off and back.
+console = "{console}"
 """
 
 # VFIO ioctls (linux/vfio.h): _IO(';', 100 + n)
@@ -87,12 +89,16 @@ def send_home_by_hand() -> None:
     wait_for(lambda: drivers() == HOME, 20)
 
 
-def make_config(name: str, policy: str = "refuse", switch_timeout: float = 10) -> Path:
+def make_config(
+    name: str, policy: str = "refuse", switch_timeout: float = 10, console: str = "release"
+) -> Path:
     state = Path("/run") / f"state-{name}"
     state.mkdir(mode=0o700, exist_ok=True)
     path = Path("/run") / f"{name}.toml"
     path.write_text(
-        CONFIG.format(state=state, policy=policy, switch_timeout=switch_timeout, gpu=GPU)
+        CONFIG.format(
+            state=state, policy=policy, switch_timeout=switch_timeout, gpu=GPU, console=console
+        )
     )
     return path
 
@@ -135,6 +141,44 @@ def scenario_detect(out: dict[str, Any]) -> None:
     out["detect_cli"] = {k: v for k, v in result.items() if k != "stdout"}
     out["detect"] = json.loads(result["stdout"])
     out["detect_text"] = cli(config, "detect")["stdout"]
+
+
+def fbcon_bound() -> str:
+    """fbcon's vtconsole: 1 while the framebuffer console draws (here on bochs's fb0)."""
+    for vtcon in sorted(Path("/sys/class/vtconsole").iterdir()):
+        if "frame buffer" in (vtcon / "name").read_text():
+            return (vtcon / "bind").read_text().strip()
+    return "none"
+
+
+def scenario_console(out: dict[str, Any]) -> None:
+    """The real framebuffer console on the GPU: refused by default, released on request."""
+    claimant = sleeper()
+    record: dict[str, Any] = {"fbcon_before": fbcon_bound()}
+    out["console_scenario"] = record
+    try:
+        refused = cli(
+            make_config("console-refuse", console="refuse"),
+            "acquire",
+            "--exclusive",
+            f"process:{claimant.pid}",
+            "gpu",
+        )
+        record["refused"] = {**refused, "drivers": drivers(), "fbcon": fbcon_bound()}
+        config = make_config("console-release")
+        acquired = cli(config, "acquire", "--exclusive", f"process:{claimant.pid}", "gpu")
+        record["released"] = {**acquired, "drivers": drivers(), "fbcon": fbcon_bound()}
+        home = cli(config, "release", "--force", f"process:{claimant.pid}")
+        record["home"] = {
+            **home,
+            "drivers": drivers(),
+            "fbcon": fbcon_bound(),
+            "fb0": Path("/sys/class/graphics/fb0").exists(),
+        }
+    finally:
+        claimant.kill()
+        claimant.wait()
+        send_home_by_hand()
 
 
 def scenario_holder_refused(out: dict[str, Any]) -> None:
@@ -397,6 +441,7 @@ def main() -> None:
     else:
         steps = [
             ("detect", lambda: scenario_detect(out)),
+            ("console", lambda: scenario_console(out)),
             ("refused", lambda: scenario_holder_refused(out)),
             ("terminated", lambda: scenario_holder_terminated_then_release(out)),
             ("failed_switch", lambda: scenario_failed_switch_poisons(out, kernel_root)),

@@ -92,6 +92,32 @@ def test_detect_sees_both_functions_in_one_group(guest):
     assert f"{GPU} 1234:" in guest["detect_text"]
 
 
+def test_the_console_on_the_gpu_refuses_it_or_is_released_and_given_back(guest):
+    """Issue 11, on the real kernel: fbcon draws on bochs-drm's fb0."""
+    no_errors(guest, "console")
+    console = guest["console_scenario"]
+    assert console["fbcon_before"] == "1"
+    refused = console["refused"]
+    assert refused["rc"] == 3 and "the text console runs on it (fb0)" in refused["stderr"]
+    assert 'console = "release"' in refused["stderr"]
+    assert refused["drivers"] == HOME and refused["fbcon"] == "1"
+    released = console["released"]
+    assert released["rc"] == 0, released["stderr"]
+    assert set(released["drivers"].values()) == {"vfio-pci"}
+    # Unbound, fbcon let go of the console; with its last framebuffer gone the kernel
+    # unregisters it altogether (its vtconsole disappears) until a framebuffer returns.
+    assert released["fbcon"] in ("0", "none")
+    home = console["home"]
+    assert home["rc"] == 0, home["stderr"]
+    assert home["drivers"] == HOME and home["fbcon"] == "1" and home["fb0"]
+
+
+def test_detect_says_the_emulated_functions_have_no_reset_method(guest):
+    functions = {f["address"]: f for f in guest["detect"]["functions"]}
+    assert functions[GPU]["reset_method"] == "" and functions[AUDIO]["reset_method"] == ""
+    assert "no reset method" in guest["detect_text"]
+
+
 def test_a_process_holding_card0_is_refused_by_default(guest):
     no_errors(guest, "refused")
     refused = guest["refused"]
