@@ -166,7 +166,7 @@ export function drawTimeline(model, width) {
             const what = bar.kind === "stopped" ? bar.label : `${bar.kind} on ${bar.label}`;
             group.appendChild(titled(rect, `${entry.name}: ${what}, ${when}`));
             if (barWidth > bar.label.length * 7 + 8)
-                group.appendChild(node("text", { class: "ca-bar-text", x: x1 + 5, y: y + rowHeight / 2 + 4 }, bar.label));
+                group.appendChild(node("text", { class: `ca-bar-text ca-bar-text-${bar.kind}`, x: x1 + 5, y: y + rowHeight / 2 + 4 }, bar.label));
         }
         for (const mark of entry.marks) {
             const cx = x(mark.time);
