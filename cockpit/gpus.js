@@ -10,7 +10,7 @@ import { buildTimeline, drawTimeline } from "./timeline.js";
 const state = {
     status: null,
     failure: null,
-    history: [],
+    history: null, // null until the first `history --json` answers
     historyFailure: null,
     subject: "",
     claimants: new Set(),
@@ -110,14 +110,15 @@ function renderSummary() {
         return;
     }
     const tokens = Object.keys(status.tokens).length;
-    const parts = [`${tokens} ${tokens === 1 ? "GPU" : "GPUs"}`,
-        `${status.leases.length} ${status.leases.length === 1 ? "lease" : "leases"}`];
+    const parts = [`${tokens} ${tokens === 1 ? "GPU" : "GPUs"}`];
+    if (!status.corrupt)
+        parts.push(`${status.leases.length} ${status.leases.length === 1 ? "lease" : "leases"}`);
     if (status.stranded.length)
         parts.push(`${status.stranded.length} stranded`);
     const poisoned = Object.values(status.tokens).filter(token => token.poisoned).length;
     if (poisoned)
         parts.push(`${poisoned} poisoned`);
-    parts.push(`ledger generation ${status.generation}`);
+    parts.push(status.corrupt ? "ledger damaged" : `ledger generation ${status.generation}`);
     summary.textContent = parts.join(" \u00b7 ");
 }
 
@@ -216,7 +217,7 @@ function tokenCard(name, token, status) {
                 h("strong", {}, lease.claimant), ` (${notes.join(", ")}) since `, when(lease.created),
                 stranded ? h("span", { class: "ca-label ca-label-warning" }, "Stranded") : null);
         }))
-        : "Nobody";
+        : status.corrupt ? "Unknown: the ledger is damaged" : "Nobody";
     const functions = h("ul", { class: "ca-plain-list" }, Object.entries(token.drivers).map(([address, driver]) =>
         h("li", {}, h("code", {}, address), " ", h("span", { class: driver === "vfio-pci" ? "ca-driver ca-driver-vfio" : "ca-driver" }, driver || "no driver"))));
     const mode = h("span", { class: `ca-label ca-label-${token.mode}` }, MODE_LABELS[token.mode] || token.mode);
@@ -228,7 +229,7 @@ function tokenCard(name, token, status) {
         h("dl", { class: "ca-dl" },
             h("dt", {}, "Functions"), h("dd", {}, functions),
             h("dt", {}, "Held by"), h("dd", { class: "ca-held-by" }, holders),
-            h("dt", {}, "Stopped for it"), h("dd", { class: "ca-stopped" }, stopped.length ? listing(stopped) : "Nothing"),
+            h("dt", {}, "Stopped for it"), h("dd", { class: "ca-stopped" }, stopped.length ? listing(stopped) : status.corrupt ? "Unknown" : "Nothing"),
             token.poisoned ? [h("dt", {}, "Poisoned"), h("dd", {}, token.reason)] : null),
         h("footer", { class: "ca-card-footer" },
             h("button", { type: "button", class: "ca-button ca-button-link", id: `history-${safeId(name)}`, onclick: () => showHistoryOf(`t/${name}`) }, `History of ${name}`),
@@ -278,7 +279,7 @@ function renderHistory() {
     section.hidden = !state.status;
     if (!state.status)
         return;
-    for (const event of state.history) {
+    for (const event of state.history || []) {
         for (const who of [event.claimant, event.holder])
             if (who)
                 state.claimants.add(who);
@@ -290,6 +291,11 @@ function renderHistory() {
     const body = $("events").tBodies[0];
     if (state.historyFailure) {
         box.replaceChildren(h("div", { class: "ca-alert ca-alert-danger ca-alert-inline" }, sentences(state.historyFailure)));
+        body.replaceChildren();
+        return;
+    }
+    if (state.history === null) {
+        box.replaceChildren(pending("Reading the history\u2026"));
         body.replaceChildren();
         return;
     }

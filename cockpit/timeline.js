@@ -153,7 +153,9 @@ export function drawTimeline(model, width) {
         const group = node("g", { class: "ca-timeline-lane" });
         if (row % 2 === 1)
             group.appendChild(node("rect", { class: "ca-timeline-stripe", x: 0, y, width, height: rowHeight }));
-        const label = node("text", { class: "ca-timeline-label", x: labelWidth, y: y + rowHeight / 2 + 4, "text-anchor": "end" }, entry.name);
+        const fits = Math.floor(labelWidth / 6.6); // characters of 12px text in the label column
+        const shown = entry.name.length > fits ? `${entry.name.slice(0, fits - 1)}\u2026` : entry.name;
+        const label = node("text", { class: "ca-timeline-label", x: labelWidth, y: y + rowHeight / 2 + 4, "text-anchor": "end" }, shown);
         group.appendChild(titled(label, entry.name));
         for (const bar of entry.bars) {
             const x1 = x(bar.start);

@@ -254,7 +254,11 @@ def test_a_damaged_ledger_is_shown_and_nothing_can_be_changed(make_sim, cockpit_
     assert browser.driver.find_element(By.ID, "preview").get_attribute("disabled") is not None
     for button in browser.driver.find_elements(By.CSS_SELECTOR, "#alerts button"):
         assert not button.is_enabled(), button.text
-    browser.wait_text("#token-gpu0", "Unknown")
+    card = browser.wait_text("#token-gpu0", "Unknown")
+    assert "Unknown: the ledger is damaged" in card  # never "Nobody": it cannot know
+    assert "ledger damaged" in browser.text("#summary")
+    # The history is its own file: what happened before the damage is still there.
+    browser.wait_text("#events", "libvirt:other was refused gpu0")
     browser.screenshot("gpus-damaged-ledger")
 
 
