@@ -478,10 +478,13 @@ function planView(domain, plan) {
         return [h("div", { class: "ca-alert ca-alert-warning ca-alert-inline", id: "plan-result", "data-outcome": "refused" },
             h("h3", { class: "ca-alert-title" }, `Starting ${domain} would be refused`),
             h("p", {}, plan.refused), plan.hint ? h("p", {}, `Hint: ${plan.hint}`) : null)];
+    if (plan.claims_nothing)
+        return [h("p", { id: "plan-result", "data-outcome": "nothing" }, `${domain} claims no GPU: starting it changes nothing here.`)];
     const tokens = listing(plan.tokens);
     if (plan.already_held)
         return [h("p", { id: "plan-result", "data-outcome": "held" }, `${plan.claimant} already holds ${tokens} (${plan.mode}): nothing to do.`)];
-    const parts = [h("p", {}, `${plan.claimant} can claim ${tokens} (${plan.mode}).`)];
+    const source = plan.from_definition ? "Its definition claims" : "Claiming";
+    const parts = [h("p", {}, `${source} ${tokens} (${plan.mode}): ${plan.claimant} can claim ${plan.tokens.length === 1 ? "it" : "them"}.`)];
     parts.push(plan.stops.length
         ? [h("p", {}, "Starting it would stop, in this order:"),
             h("ol", { class: "ca-plan" }, plan.stops.map(stop => h("li", {}, h("strong", {}, stop.holder), ` (${stop.how}${stop.shared_tokens.length ? `, whose shared lease on ${listing(stop.shared_tokens)} it takes over` : ""})`)))]
@@ -498,6 +501,11 @@ function planView(domain, plan) {
     return [h("div", { id: "plan-result", "data-outcome": "plan" }, parts)];
 }
 
+function chooseTokens() {
+    const mode = document.querySelector("input[name=plan-mode]:checked").value;
+    $("plan-tokens").disabled = mode === "definition";
+}
+
 function previewStart() {
     const tokens = Object.keys(state.status.tokens).sort();
     const domains = [...state.claimants].filter(name => name.startsWith("libvirt:")).map(name => name.slice(8));
@@ -506,12 +514,13 @@ function previewStart() {
         h("label", { for: "plan-domain" }, "Virtual machine (libvirt domain name)"),
         h("input", { id: "plan-domain", class: "ca-input", type: "text", list: "plan-domains", required: true, autocomplete: "off", spellcheck: "false" }),
         h("datalist", { id: "plan-domains" }, domains.map(name => h("option", { value: name }))),
-        h("fieldset", {}, h("legend", {}, "GPUs it would claim"),
+        h("fieldset", { onchange: chooseTokens }, h("legend", {}, "Claim"),
+            h("label", { class: "ca-check" }, h("input", { type: "radio", name: "plan-mode", value: "definition", checked: true }), " what its libvirt definition says (as its start would read it)"),
+            h("label", { class: "ca-check" }, h("input", { type: "radio", name: "plan-mode", value: "exclusive" }), " exclusive (PCI passthrough, vfio-pci) of the GPUs below"),
+            h("label", { class: "ca-check" }, h("input", { type: "radio", name: "plan-mode", value: "shared" }), " shared (vGPU, on the home driver) of the GPUs below")),
+        h("fieldset", { id: "plan-tokens", disabled: true }, h("legend", {}, "GPUs"),
             tokens.map((name, index) => h("label", { class: "ca-check" },
                 h("input", { type: "checkbox", name: "plan-token", value: name, checked: index === 0 }), ` ${name}`))),
-        h("fieldset", {}, h("legend", {}, "Claim"),
-            h("label", { class: "ca-check" }, h("input", { type: "radio", name: "plan-mode", value: "exclusive", checked: true }), " exclusive (PCI passthrough, vfio-pci)"),
-            h("label", { class: "ca-check" }, h("input", { type: "radio", name: "plan-mode", value: "shared" }), " shared (vGPU, on the home driver)")),
         result);
     openDialog({
         title: "Preview a VM start",
@@ -523,11 +532,14 @@ function previewStart() {
         const domain = $("plan-domain").value.trim();
         const chosen = [...document.querySelectorAll("input[name=plan-token]:checked")].map(input => input.value);
         const mode = document.querySelector("input[name=plan-mode]:checked").value;
-        if (!domain || !chosen.length)
-            throw new ArbiterFailure("failed", ["Name the VM and choose at least one GPU."]);
+        if (!domain || (mode !== "definition" && !chosen.length))
+            throw new ArbiterFailure("failed", ["Name the VM, and choose at least one GPU unless its definition says which."]);
+        const args = mode === "definition"
+            ? ["plan", "--json", "--", `libvirt:${domain}`]
+            : ["plan", "--json", `--${mode}`, "--", `libvirt:${domain}`, ...chosen];
         result.replaceChildren(pending("Planning\u2026"));
         try {
-            const plan = await runJson(["plan", "--json", `--${mode}`, "--", `libvirt:${domain}`, ...chosen], { jsonOnFailure: true });
+            const plan = await runJson(args, { jsonOnFailure: true });
             result.replaceChildren(...planView(domain, plan));
         } catch (failure) {
             result.replaceChildren();

@@ -183,8 +183,20 @@ def test_preview_of_a_vm_start_by_keyboard(make_sim, cockpit_for, browser):
     driver.execute_script("document.getElementById('preview').focus()")
     driver.switch_to.active_element.send_keys(Keys.ENTER)
     browser.wait(lambda d: d.switch_to.active_element.get_attribute("id") == "plan-domain")
+    # First as its definition says: there is no libvirt domain here, and the page
+    # says so in the CLI's words.
+    expected = sim.cli("plan", "--json", "libvirt:win11")
+    assert expected.returncode == 1
+    words = [line.removeprefix("charly-arbiter: ") for line in expected.stderr.splitlines()]
     driver.switch_to.active_element.send_keys("win11", Keys.ENTER)
-    plan = browser.wait_text("#plan-result", "can claim gpu0 (exclusive)")
+    error = browser.wait_text("#dialog-error", words[-1] if words else "?")
+    assert all(line.replace("hint: ", "Hint: ") in error for line in words[-2:]), (words, error)
+    # Then as an exclusive claim of gpu0, chosen by keyboard.
+    driver.find_element(By.CSS_SELECTOR, "input[name=plan-mode][value=exclusive]").send_keys(
+        Keys.SPACE
+    )
+    driver.find_element(By.ID, "plan-domain").send_keys(Keys.ENTER)
+    plan = browser.wait_text("#plan-result", "Claiming gpu0 (exclusive): libvirt:win11 can claim")
     assert "container:llm (stop" in plan
     assert "0000:0a:00.1" in plan and "snd_hda_intel" in plan
     assert "When win11 stops, container:llm would be started again." in plan
