@@ -62,8 +62,8 @@ def plan(
                 click.echo(f"hint: {refusal.hint}")
         sys.exit(refusal.exit_code)
     if as_json:
-        document = {**plan_document(result), "from_definition": not tokens}
-        click.echo(json.dumps(document, indent=2, sort_keys=True))
+        planned = {**plan_document(result), "from_definition": not tokens}
+        click.echo(json.dumps(planned, indent=2, sort_keys=True))
     else:
         click.echo(render(result))
 
