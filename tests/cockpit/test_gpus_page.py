@@ -113,6 +113,10 @@ def test_the_page_shows_claims_refusals_poison_and_fixes_them(make_sim, cockpit_
     alert = browser.wait_text("#alert-stranded-libvirt_win11", "libvirt:win11 is stranded", 40)
     assert "libvirt:win11 is not running any more" in alert
     browser.screenshot("gpus-stranded")
+    browser.viewport(1280, 1330)  # the whole page at once, for docs/cockpit-gpus.png
+    browser.wait(lambda d: d.find_elements(By.CSS_SELECTOR, "#timeline .ca-mark-refused"))
+    browser.screenshot("gpus-whole-page-1280")
+    browser.viewport(1280, 800)
 
     # Restore from the page: the plan first, then the restore; the ledger shows it.
     generation = status["generation"]
