@@ -11,6 +11,7 @@ the page must show what the CLI says, in the CLI's words.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -43,6 +44,13 @@ def scripted_claims(sim) -> dict[str, str]:
     return {"refused": refused.stderr, "poisoned": poisoned.stderr}
 
 
+def need_superuser() -> None:
+    """The actions run as Cockpit's superuser: a --local-session bridge has it as root
+    (CI runs as root); as another user it would need sudo, which a test cannot answer."""
+    if os.geteuid() != 0:
+        pytest.skip("the page's actions need Cockpit's superuser: run as root (CI does)")
+
+
 def first_render(browser: Browser) -> float:
     """Milliseconds from the page's navigation to its first status on screen."""
     value = browser.wait(
@@ -70,6 +78,7 @@ def ledger_state(sim):
 
 
 def test_the_page_shows_claims_refusals_poison_and_fixes_them(make_sim, cockpit_for, browser):
+    need_superuser()
     sim = make_sim(host=HOST)
     scripted_claims(sim)
     status = sim.status()
@@ -152,6 +161,7 @@ def test_the_page_shows_claims_refusals_poison_and_fixes_them(make_sim, cockpit_
 
 def test_an_action_that_fails_shows_the_cli_sentences(make_sim, cockpit_for, browser):
     """A restore the CLI refuses (the claimant runs again) shows the CLI's own words."""
+    need_superuser()
     sim = make_sim(host=HOST)
     sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", check=True)
     sim.cli("acquire", "--exclusive", "libvirt:lab", "gpu1")
@@ -315,3 +325,92 @@ def _followers(config_path: Path) -> list[int]:
         if b"--follow" in argv and f"CHARLY_ARBITER_CONFIG={config_path}".encode() in environ:
             found.append(int(entry.name))
     return found
+
+
+def test_the_timeline_follows_the_events(cockpit_for, browser):
+    """timeline.js's model of a history, computed by the page's own module in Chromium:
+    bars from claim to release, a preempted shared claimant stopped then back, marks
+    for a refusal and a failed claim, and a restore that is no failure."""
+    cockpit = cockpit_for(None)
+    browser.open_page(cockpit)
+    browser.wait_text("#problem", "not installed")
+
+    def at(second: int) -> str:
+        return f"2026-12-01T10:00:{second:02d}.000+00:00"
+
+    events = [
+        {
+            "time": at(0),
+            "event": "claim",
+            "claimant": "container:llm",
+            "token": "gpu0",
+            "mode": "shared",
+        },
+        {
+            "time": at(1),
+            "event": "active",
+            "claimant": "container:llm",
+            "token": "gpu0",
+            "mode": "shared",
+        },
+        {
+            "time": at(10),
+            "event": "claim",
+            "claimant": "libvirt:vm",
+            "token": "gpu0",
+            "mode": "exclusive",
+        },
+        {"time": at(11), "event": "preempted", "claimant": "libvirt:vm", "holder": "container:llm"},
+        {
+            "time": at(15),
+            "event": "refused",
+            "claimant": "libvirt:other",
+            "token": "gpu0",
+            "why": "held",
+        },
+        {
+            "time": at(20),
+            "event": "claim",
+            "claimant": "libvirt:bad",
+            "token": "gpu1",
+            "mode": "exclusive",
+        },
+        {
+            "time": at(21),
+            "event": "poisoned",
+            "claimant": "libvirt:bad",
+            "token": "gpu1",
+            "why": "x",
+        },
+        {"time": at(22), "event": "failed", "claimant": "libvirt:bad", "why": "switch failed"},
+        {"time": at(30), "event": "restore", "claimant": "libvirt:vm"},
+        {"time": at(31), "event": "restored", "claimant": "libvirt:vm", "holder": "container:llm"},
+        {"time": at(32), "event": "failed", "claimant": "libvirt:vm", "why": "restored"},
+    ]
+    now = browser.driver.execute_script("return new Date(arguments[0]).getTime() / 1000", at(40))
+    model = browser.driver.execute_async_script(
+        "const [events, now, done] = arguments;"
+        "import('./timeline.js').then(m => done(m.buildTimeline(events, now)));",
+        events,
+        now,
+    )
+    lanes = {lane["name"]: lane for lane in model["lanes"]}
+    assert list(lanes) == ["container:llm", "libvirt:vm", "libvirt:other", "libvirt:bad"]
+
+    def spans(name: str) -> list[tuple[str, float, float, bool]]:
+        return [
+            (bar["kind"], bar["start"] - now, bar["end"] - now, bool(bar.get("ongoing")))
+            for bar in lanes[name]["bars"]
+        ]
+
+    assert spans("container:llm") == [
+        ("shared", -40, -29, False),
+        ("stopped", -29, -9, False),
+        ("shared", -9, 0, True),  # its shared lease came back with the restore
+    ]
+    assert spans("libvirt:vm") == [("exclusive", -30, -10, False)]
+    assert [mark["kind"] for mark in lanes["libvirt:vm"]["marks"]] == []  # a restore is no failure
+    assert [mark["kind"] for mark in lanes["libvirt:other"]["marks"]] == ["refused"]
+    assert spans("libvirt:bad") == [("exclusive", -20, -18, False)]
+    assert [mark["kind"] for mark in lanes["libvirt:bad"]["marks"]] == ["poisoned", "failed"]
+    assert model["start"] < now - 40 and model["end"] > now
