@@ -65,10 +65,12 @@ function failure(ex, stderr) {
         ]);
     if (ex.problem)
         return new ArbiterFailure("failed", [`${program}: ${cockpit.message(ex)}`]);
-    const sentences = cliSentences(stderr);
     const code = ex.exit_status;
+    if (code === null || code === undefined) // killed: whatever it printed is not its answer
+        return new ArbiterFailure("killed", [`${program} was killed (signal ${ex.exit_signal}).`], stderr || "");
+    const sentences = cliSentences(stderr);
     if (!sentences.length)
-        sentences.push(`${program} exited with ${code === undefined ? "signal " + ex.exit_signal : "status " + code}.`);
+        sentences.push(`${program} exited with status ${code}.`);
     return new ArbiterFailure(code === 3 ? "refused" : "failed", sentences, stderr || "");
 }
 
@@ -128,7 +130,13 @@ export function followStatus(onDocument, onEnd) {
     let stopped = false;
     process.then(
         () => { if (!stopped) onEnd(new ArbiterFailure("lost", ["charly-arbiter status --follow ended."])) },
-        ex => { if (!stopped) onEnd(failure(ex, ex.message)) });
+        ex => {
+            if (stopped)
+                return;
+            const ended = failure(ex, ex.message);
+            // A follower that was working and got killed (OOM, an operator): follow again.
+            onEnd(ended.kind === "killed" ? new ArbiterFailure("lost", ended.sentences) : ended);
+        });
     return () => {
         stopped = true;
         process.close("terminated");

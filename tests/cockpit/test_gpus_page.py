@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -309,6 +310,25 @@ def test_the_follower_ends_with_the_page(make_sim, cockpit_for, browser):
     while _followers(sim.config_path) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _followers(sim.config_path), f"still following after the page closed: {followers}"
+
+
+def test_a_killed_follower_is_started_again(make_sim, cockpit_for, browser):
+    """kill -9 of the page's `status --follow`: the page says so and follows again."""
+    sim = make_sim(host=default_host())
+    cockpit = cockpit_for(arbiter_config(sim.config_path))
+    browser.open_page(cockpit)
+    browser.wait_text("#token-gpu0", "Idle")
+    (first,) = browser.wait(lambda d: _followers(sim.config_path), 20, "a follower process")
+    os.kill(first, signal.SIGKILL)
+    browser.wait_text("#problem", "Lost contact with charly-arbiter", 20)
+    assert "Idle" in browser.text("#token-gpu0"), "the last state stays on screen"
+    again = browser.wait(
+        lambda d: [pid for pid in _followers(sim.config_path) if pid != first], 30, "a new one"
+    )
+    assert again
+    browser.wait(lambda d: not d.find_element(By.ID, "problem").is_displayed(), 20, "recovered")
+    sim.cli("acquire", "--shared", "container:llm", "gpu0", check=True)
+    browser.wait_text("#token-gpu0", "Shared")
 
 
 def _followers(config_path: Path) -> list[int]:
