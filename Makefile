@@ -4,8 +4,10 @@
 #
 #   make man | completions        generate into $(BUILDDIR)
 #   make install DESTDIR=... PREFIX=...
-#   make deb                      -> $(DISTDIR)/charly-arbiter_VERSION_all.deb
-#   make lintian                  lintian on that .deb (fails on warnings)
+#   make install-cockpit          the Cockpit page alone (its own binary package)
+#   make deb                      -> $(DISTDIR)/charly-arbiter_VERSION_all.deb and
+#                                    $(DISTDIR)/cockpit-charly-arbiter_VERSION_all.deb
+#   make lintian                  lintian on those .debs (fails on warnings)
 #   make rpm-srpm                 -> $(DISTDIR)/charly-arbiter-VERSION-1.src.rpm
 #
 # Debian's python3 on purpose: the packages run on it (not a pyenv or venv one).
@@ -22,6 +24,9 @@ BASHCOMPDIR ?= $(PREFIX)/share/bash-completion/completions
 ZSHCOMPDIR ?= $(PREFIX)/share/zsh/site-functions
 FISHCOMPDIR ?= $(PREFIX)/share/fish/vendor_completions.d
 DOCDIR ?= $(PREFIX)/share/doc/charly-arbiter
+# Cockpit finds packages in $(datadir)/cockpit (/usr/share or /usr/local/share).
+COCKPITDIR ?= $(PREFIX)/share/cockpit/charly-arbiter
+COCKPIT_FILES := $(wildcard cockpit/*.html cockpit/*.js cockpit/*.css cockpit/manifest.json)
 # Where the libvirt hook goes.  The Debian package installs it under
 # LIBEXECDIR and its postinst copies it here, so `apt remove` can take it away
 # (a conffile would stay behind).
@@ -36,7 +41,8 @@ NAME := charly-arbiter
 CLEAN_PATH := /usr/sbin:/usr/bin:/sbin:/bin
 UNITS := $(wildcard etc/systemd/*.service etc/systemd/*.timer)
 
-.PHONY: all man completions install install-python install-data install-docs deb lintian rpm-srpm \
+.PHONY: all man completions install install-python install-data install-cockpit install-docs deb \
+	lintian rpm-srpm \
 	rpm-spec-check sources clean
 
 all: man completions
@@ -50,7 +56,7 @@ completions:
 	PYTHONPATH=$(CURDIR) $(PYTHON) packaging/gen-completions.py $(BUILDDIR)/completions >/dev/null
 
 # The packages ship the documentation their own way (dh_installdocs, %doc).
-install: install-python install-data install-docs
+install: install-python install-data install-cockpit install-docs
 
 install-python:
 	rm -rf $(BUILDDIR)/wheel
@@ -81,6 +87,11 @@ install-data: man completions
 	install -m 0644 $(BUILDDIR)/completions/_$(NAME) $(DESTDIR)$(ZSHCOMPDIR)/_$(NAME)
 	install -m 0644 $(BUILDDIR)/completions/$(NAME).fish $(DESTDIR)$(FISHCOMPDIR)/$(NAME).fish
 
+# The GPUs page: plain files, no build step (docs/cockpit.md says why).
+install-cockpit:
+	install -d -m 0755 $(DESTDIR)$(COCKPITDIR)
+	install -m 0644 $(COCKPIT_FILES) $(DESTDIR)$(COCKPITDIR)/
+
 install-docs:
 	install -d -m 0755 $(DESTDIR)$(DOCDIR)
 	install -m 0644 README.md docs/*.md $(DESTDIR)$(DOCDIR)/
@@ -101,10 +112,12 @@ deb: sources
 	tar -xzf $(BUILDDIR)/$(NAME)-$(VERSION).tar.gz -C $(BUILDDIR)/deb
 	cp -a packaging/debian $(BUILDDIR)/deb/$(NAME)-$(VERSION)/debian
 	cd $(BUILDDIR)/deb/$(NAME)-$(VERSION) && env PATH=$(CLEAN_PATH) dpkg-buildpackage -b -us -uc
-	cp $(BUILDDIR)/deb/$(NAME)_$(VERSION)_all.deb $(DISTDIR)/
+	cp $(BUILDDIR)/deb/$(NAME)_$(VERSION)_all.deb $(BUILDDIR)/deb/cockpit-$(NAME)_$(VERSION)_all.deb \
+		$(DISTDIR)/
 
 lintian:
-	lintian --fail-on error,warning --info $(DISTDIR)/$(NAME)_$(VERSION)_all.deb
+	lintian --fail-on error,warning --info $(DISTDIR)/$(NAME)_$(VERSION)_all.deb \
+		$(DISTDIR)/cockpit-$(NAME)_$(VERSION)_all.deb
 
 rpm-srpm: sources
 	rm -rf $(BUILDDIR)/rpm && mkdir -p $(BUILDDIR)/rpm/SOURCES $(DISTDIR)

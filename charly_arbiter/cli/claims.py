@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from typing import Any
 
 import click
 
 from charly_arbiter.cli.app import App
 from charly_arbiter.core.arbiter import Arbiter
-from charly_arbiter.core.model import Mode
+from charly_arbiter.core.model import Lease, Mode
 from charly_arbiter.errors import ArbiterError
 
 
@@ -71,9 +73,12 @@ def release(app: App, failed: bool, force: bool, claimant: str) -> None:
 @click.option("--stranded", is_flag=True, help="Every stranded claimant (the default).")
 @click.option("--dry-run", is_flag=True, help="Only say which claimants would be restored.")
 @click.option("--force", is_flag=True, help="Restore named claimants even though they still run.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
 @click.argument("claimants", nargs=-1)
 @click.pass_obj
-def restore(app: App, stranded: bool, dry_run: bool, force: bool, claimants: tuple[str]) -> None:
+def restore(
+    app: App, stranded: bool, dry_run: bool, force: bool, as_json: bool, claimants: tuple[str]
+) -> None:
     """Bring the host back: restore what leases stopped, send GPUs home, drop the leases.
 
     A named claimant that still runs is refused (exit 3) unless --force.
@@ -81,11 +86,34 @@ def restore(app: App, stranded: bool, dry_run: bool, force: bool, claimants: tup
     if stranded and claimants:
         raise click.UsageError("give either --stranded or claimant names, not both")
     arbiter = app.arbiter()
+    before = arbiter.ledger.read()
     done = arbiter.restore(list(claimants) or None, dry_run=dry_run, force=force)
+    if as_json:
+        leases = [lease for lease in (before.lease_of(c) for c in done) if lease is not None]
+        click.echo(json.dumps(_restore_document(leases, dry_run), indent=2, sort_keys=True))
     if not dry_run:
         _left_behind(arbiter, done)
-    verb = "would restore" if dry_run else "restored"
-    click.echo(f"{verb} {', '.join(done)}" if done else "nothing to restore")
+    if not as_json:
+        verb = "would restore" if dry_run else "restored"
+        click.echo(f"{verb} {', '.join(done)}" if done else "nothing to restore")
+
+
+def _restore_document(leases: Sequence[Lease], dry_run: bool) -> dict[str, Any]:
+    """Each lease as it was before the restore: what it held, and the holders it had
+    stopped, which the restore starts again (unless another lease now holds their GPU)."""
+    return {
+        "dry_run": dry_run,
+        "claimants": [
+            {
+                "claimant": lease.claimant,
+                "mode": str(lease.mode),
+                "tokens": list(lease.tokens),
+                "state": str(lease.state),
+                "start_again": [record.holder for record in lease.unrestored()],
+            }
+            for lease in leases
+        ],
+    }
 
 
 def _left_behind(arbiter: Arbiter, claimants: Sequence[str]) -> None:

@@ -33,7 +33,12 @@ def history(
     )
     if as_json:
         documents = [
-            {**record.document(), "interrupted": id(record) in killed} for record in records
+            {
+                **record.document(),
+                "message": describe(record.kind, record.fields),
+                "interrupted": id(record) in killed,
+            }
+            for record in records
         ]
         click.echo(json.dumps(documents, indent=2, ensure_ascii=False))
         return

@@ -2,7 +2,8 @@
 
 It asks `Arbiter.plan`, which runs the same `decide_claim` as `acquire` over
 the live host and ledger, so a plan cannot disagree with the claim it
-previews.  A refusal exits 3, like `acquire`.
+previews.  A refusal exits 3, like `acquire`.  `plan libvirt:NAME` alone
+reads the domain's claim from its libvirt definition, as its start would.
 """
 
 from __future__ import annotations
@@ -26,16 +27,31 @@ from charly_arbiter.errors import ClaimRefused
 @click.option("--transient", is_flag=True, help="Plan a transient claim.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
 @click.argument("claimant")
-@click.argument("tokens", nargs=-1, required=True)
+@click.argument("tokens", nargs=-1)
 @click.pass_obj
 def plan(
     app: App, mode: str | None, transient: bool, as_json: bool, claimant: str, tokens: tuple[str]
 ) -> None:
-    """Show what claiming TOKENS for CLAIMANT would stop and switch; change nothing."""
-    if mode is None:
-        raise click.UsageError("say --exclusive or --shared")
+    """Show what claiming TOKENS for CLAIMANT would stop and switch; change nothing.
+
+    With a libvirt domain (libvirt:NAME) and no mode or tokens: what starting it
+    would do, its claim read from its definition as the hook reads it.
+    """
+    if not tokens and (mode is not None or transient):
+        raise click.UsageError("name the TOKENS to claim")
     try:
-        result = app.arbiter().plan(claimant, Mode(mode), list(tokens), transient=transient)
+        if tokens:
+            if mode is None:
+                raise click.UsageError("say --exclusive or --shared")
+            result = app.arbiter().plan(claimant, Mode(mode), list(tokens), transient=transient)
+        else:
+            from charly_arbiter.libvirt.preview import preview_start
+
+            found = preview_start(app.arbiter(), claimant)
+            if found is None:
+                _no_claim(claimant, as_json)
+                return
+            result = found
     except ClaimRefused as refusal:
         if as_json:
             document = {"claimant": claimant, "refused": refusal.why, "hint": refusal.hint}
@@ -46,9 +62,17 @@ def plan(
                 click.echo(f"hint: {refusal.hint}")
         sys.exit(refusal.exit_code)
     if as_json:
-        click.echo(json.dumps(plan_document(result), indent=2, sort_keys=True))
+        planned = {**plan_document(result), "from_definition": not tokens}
+        click.echo(json.dumps(planned, indent=2, sort_keys=True))
     else:
         click.echo(render(result))
+
+
+def _no_claim(claimant: str, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps({"claimant": claimant, "claims_nothing": True}, sort_keys=True))
+    else:
+        click.echo(f"{claimant} claims no GPU: starting it changes nothing here.")
 
 
 def plan_document(result: ClaimPlan) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import click
 
 from charly_arbiter.cli.app import App
@@ -13,10 +15,18 @@ def poison() -> None:
 
 
 @poison.command("list")
+@click.option("--json", "as_json", is_flag=True, help="A JSON array, for scripts.")
 @click.pass_obj
-def list_poisoned(app: App) -> None:
+def list_poisoned(app: App, as_json: bool) -> None:
     """List poisoned tokens with the reason and the time."""
     state = app.ledger().read()
+    if as_json:
+        documents = [
+            {"token": token, "reason": record.reason, "since": record.since}
+            for token, record in state.poisoned
+        ]
+        click.echo(json.dumps(documents, indent=2, ensure_ascii=False))
+        return
     if not state.poisoned:
         click.echo("no token is poisoned")
     for token, record in state.poisoned:
@@ -24,11 +34,15 @@ def list_poisoned(app: App) -> None:
 
 
 @poison.command()
+@click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
 @click.argument("token")
 @click.pass_obj
-def clear(app: App, token: str) -> None:
+def clear(app: App, as_json: bool, token: str) -> None:
     """Clear TOKEN's poison after checking the GPU and its driver by hand."""
-    if app.arbiter().clear_poison(token):
+    cleared = app.arbiter().clear_poison(token)
+    if as_json:
+        click.echo(json.dumps({"token": token, "cleared": cleared}, sort_keys=True))
+    elif cleared:
         click.echo(f"cleared the poison of {token}")
     else:
         click.echo(f"{token} is not poisoned")

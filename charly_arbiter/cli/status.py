@@ -8,6 +8,8 @@ only when stdout is a terminal.  `--json` is the stable interface for scripts.
 from __future__ import annotations
 
 import json
+import os
+import select
 import sys
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -18,14 +20,36 @@ import click
 from charly_arbiter.cli.app import App
 from charly_arbiter.core.arbiter import Status, TokenStatus
 from charly_arbiter.core.model import Lease
-from charly_arbiter.ops.explain import age
+from charly_arbiter.ops.explain import age, stranded_why
+from charly_arbiter.ops.follow import follow
+from charly_arbiter.ops.history import HISTORY
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
+@click.option(
+    "--follow",
+    "following",
+    is_flag=True,
+    help="With --json: one line per change (ledger, history, or the state found every "
+    "--interval seconds) until the reader goes away.",
+)
+@click.option(
+    "--interval",
+    type=click.FloatRange(min=1),
+    default=10.0,
+    show_default=True,
+    help="With --follow: seconds between checks of what no file records "
+    "(a claimant that stopped running).",
+)
 @click.pass_obj
-def status(app: App, as_json: bool) -> None:
+def status(app: App, as_json: bool, following: bool, interval: float) -> None:
     """Show leases, tokens (mode, driver, poison) and stranded claimants."""
+    if following:
+        if not as_json:
+            raise click.UsageError("--follow needs --json")
+        _follow(app, interval)
+        return
     result = app.arbiter().status()
     if as_json:
         # Indented for a person; one line for a program (json's C encoder, which
@@ -36,6 +60,41 @@ def status(app: App, as_json: bool) -> None:
         click.echo(render(result, colour=sys.stdout.isatty()))
     if result.corrupt:
         raise SystemExit(1)
+
+
+def _follow(app: App, interval: float) -> None:
+    """`--json --follow`: compact lines on stdout, flushed, until its reader closes it."""
+    arbiter = app.arbiter()
+    state_dir = app.config().state_dir
+
+    def produce() -> str:
+        return json.dumps(status_document(arbiter.status()), sort_keys=True)
+
+    def emit(text: str) -> bool:
+        try:
+            sys.stdout.write(text + "\n")
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # Nobody reads any more; point stdout at /dev/null so exiting cannot fail.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return False
+        return True
+
+    follow(
+        produce,
+        [arbiter.ledger.path, state_dir / HISTORY],
+        emit,
+        interval=interval,
+        reader_gone=_reader_gone,
+    )
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader closed it (poll says POLLERR), so that a
+    follower whose page was closed exits before it has anything to write."""
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
 
 
 def status_document(result: Status) -> dict[str, Any]:
@@ -51,6 +110,9 @@ def status_document(result: Status) -> dict[str, Any]:
                 "transient": lease.transient,
                 "created": lease.created,
                 "stopped": [record.holder for record in lease.stopped if not record.restored],
+                "stranded_why": (
+                    stranded_why(lease, result.boot_id) if lease.claimant in result.stranded else ""
+                ),
             }
             for lease in result.leases
         ],
@@ -63,6 +125,7 @@ def status_document(result: Status) -> dict[str, Any]:
                 "claimants": list(token.claimants),
                 "poisoned": token.poisoned,
                 "reason": token.reason,
+                "since": token.since,
             }
             for token in result.tokens
         },

@@ -72,6 +72,7 @@ class Status:
     stranded: tuple[str, ...]
     generation: int
     corrupt: str | None = None
+    boot_id: str = ""  # the host's boot, against which leases are judged stranded
 
 
 class Arbiter:
@@ -418,6 +419,7 @@ class Arbiter:
             stranded=tuple(sorted(stranded)),
             generation=state.generation,
             corrupt=str(reading.corrupt) if reading.corrupt else None,
+            boot_id=self.host.boot_id(),
         )
 
     def clear_poison(self, token: str) -> bool:

@@ -139,6 +139,18 @@ class LibvirtHolders:
         if not self._call(ref, "query", domain.isActive):
             raise HolderError(ref, "start", "it does not run after starting it")
 
+    def definition(self, name: str) -> bytes | None:
+        """The persistent XML of domain `name` (what its next start uses), or None when
+        libvirt has no domain of that name."""
+        import libvirt
+
+        domain = self._lookup(name)
+        if domain is None:
+            return None
+        flags = libvirt.VIR_DOMAIN_XML_INACTIVE
+        xml = self._call(f"{KIND}:{name}", "read the XML of", lambda: domain.XMLDesc(flags))
+        return str(xml).encode()
+
     def close(self) -> None:
         if self._connection is not None:
             with contextlib.suppress(Exception):

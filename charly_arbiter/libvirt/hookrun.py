@@ -100,14 +100,7 @@ class HookRun:
                 refuse_hint="{claimant} was started by the arbiter itself, which never "
                 "stops {holder} from a nested hook; stop {holder} first",
             )
-        if self.config.libvirt_preemption == "refuse":
-            return Policy(
-                refuse_kinds=frozenset({"libvirt"}),
-                refuse_hint="stop {holder} first (virsh shutdown), or run `charly-arbiter "
-                "acquire --exclusive {claimant} {token}` outside libvirt, then start "
-                "the VM again",
-            )
-        return NO_POLICY
+        return preemption_policy(self.config)
 
     def prepare(self, claim: DomainClaim) -> int:
         plan = self.arbiter().acquire(
@@ -196,6 +189,18 @@ class HookRun:
                 hint=f"shut {self.guest} down and start it on the other host instead",
             )
         return 0
+
+
+def preemption_policy(config: Config) -> Policy:
+    """What a VM's start may not stop (with `libvirt_preemption = "refuse"`: other VMs)."""
+    if config.libvirt_preemption == "refuse":
+        return Policy(
+            refuse_kinds=frozenset({"libvirt"}),
+            refuse_hint="stop {holder} first (virsh shutdown), or run `charly-arbiter "
+            "acquire --exclusive {claimant} {token}` outside libvirt, then start "
+            "the VM again",
+        )
+    return NO_POLICY
 
 
 def spawn_finish_release(config: Config, ref: str, reason: str, owner: ProcessRef) -> None:

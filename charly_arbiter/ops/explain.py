@@ -128,7 +128,7 @@ def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list
         sentences.append(f"{_and(pending)} had still to be sent home.")
     if lease.claimant in facts.status.stranded:
         sentences.append(
-            f"The lease of {lease.claimant} is stranded: {_stranded_why(lease, facts)}. "
+            f"The lease of {lease.claimant} is stranded: {stranded_why(lease, facts.boot_id)}. "
             f"Fix: run `charly-arbiter restore {lease.claimant}` (it brings back what was "
             "stopped, sends the GPU home and drops the lease)."
         )
@@ -138,8 +138,9 @@ def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list
     return sentences
 
 
-def _stranded_why(lease: Lease, facts: Facts) -> str:
-    if lease.boot_id != facts.boot_id:
+def stranded_why(lease: Lease, boot_id: str) -> str:
+    """Why a stranded lease will never end by itself, as a clause (`status --json` too)."""
+    if lease.boot_id != boot_id:
         return "it was made before the last reboot"
     if lease.state is not LeaseState.ACTIVE:
         writer = f" (pid {lease.owner.pid})" if lease.owner else ""

@@ -35,6 +35,7 @@ FEDORA_PATHS = {
     "bash_completions_dir": "/usr/share/bash-completion/completions",
     "zsh_completions_dir": "/usr/share/zsh/site-functions",
     "fish_completions_dir": "/usr/share/fish/vendor_completions.d",
+    "_datadir": "/usr/share",
 }
 
 
@@ -79,7 +80,7 @@ def test_spec_files_match_make_install_data(tmp_path: Path) -> None:
     patterns = []
     for line in files_section.splitlines()[1:]:
         line = re.sub(r"%(attr|config)\([^)]*\)\s*", "", line.split("#", 1)[0]).strip()
-        if not line or line.startswith(("%dir", "%doc", "%license")):
+        if not line or line.startswith(("%dir", "%doc", "%license", "%files")):
             continue
         patterns.append(line)
     destdir = tmp_path / "root"
@@ -103,17 +104,33 @@ def test_spec_files_match_make_install_data(tmp_path: Path) -> None:
         ],
         env=CLEAN_ENV,
     )
+    run(  # the cockpit-charly-arbiter subpackage's files, as %install puts them
+        [
+            "make",
+            "-C",
+            str(REPO),
+            "install-cockpit",
+            f"DESTDIR={destdir}",
+            "PREFIX=/usr",
+            "COCKPITDIR=/usr/share/cockpit/charly-arbiter",
+        ],
+        env=CLEAN_ENV,
+    )
     installed = sorted(
         "/" + str(Path(base, name).relative_to(destdir))
         for base, _, names in os.walk(destdir)
         for name in names
     )
-    unlisted = [f for f in installed if not any(fnmatch.fnmatch(f, p) for p in patterns)]
+
+    def listed(path: str, pattern: str) -> bool:  # a directory in %files takes what is under it
+        return fnmatch.fnmatch(path, pattern) or path.startswith(pattern.rstrip("/") + "/")
+
+    unlisted = [f for f in installed if not any(listed(f, p) for p in patterns)]
     assert not unlisted, f"installed by make install-data, missing from the spec: {unlisted}"
     # /usr/bin/charly-arbiter comes from %pyproject_install, not from install-data.
     unmatched = [
         p
         for p in patterns
-        if p != "/usr/bin/charly-arbiter" and not any(fnmatch.fnmatch(f, p) for f in installed)
+        if p != "/usr/bin/charly-arbiter" and not any(listed(f, p) for f in installed)
     ]
     assert not unmatched, f"in the spec's %files, not installed: {unmatched}"
