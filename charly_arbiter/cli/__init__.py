@@ -31,6 +31,8 @@ COMMANDS = {
     "history": "charly_arbiter.cli.history:history",
     "metrics": "charly_arbiter.cli.metrics:metrics",
     "recover": "charly_arbiter.cli.recover:recover_command",
+    "attach": "charly_arbiter.cli.attach:attach",
+    "detach": "charly_arbiter.cli.attach:detach",
 }
 
 

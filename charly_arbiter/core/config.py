@@ -7,6 +7,7 @@ Command-line options and environment variables override the file.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -370,6 +371,31 @@ def _parse_holder(
         mode=mode,
         dropin=Path(dropin) if dropin else None,
     )
+
+
+def attached_text(holder: HolderConfig) -> str:
+    """The attached.d file `attach` writes for `holder`: the keys `_parse_holder` reads.
+
+    Strings are written as JSON strings, which are TOML basic strings too.
+    """
+    lines = [
+        f"# Written by `charly-arbiter attach`; `charly-arbiter detach {holder.ref}` removes",
+        "# it and its drop-in.  The keys of a [[holders]] table in arbiter.toml, plus how the",
+        "# unit claims (mode) and where its drop-in is.",
+        f"kind = {json.dumps(holder.ref.kind)}",
+        f"name = {json.dumps(holder.ref.name)}",
+        f"tokens = [{', '.join(json.dumps(token) for token in holder.tokens)}]",
+        f"preemptible = {'true' if holder.preemptible else 'false'}",
+        f"mode = {json.dumps(holder.mode)}",
+    ]
+    if holder.dropin is not None:
+        lines.append(f"dropin = {json.dumps(str(holder.dropin))}")
+    for key, command in (("drain", holder.drain), ("ready", holder.ready)):
+        if command:
+            lines.append(f"{key} = [{', '.join(json.dumps(part) for part in command)}]")
+    if holder.stop != "stop":
+        lines.append(f"stop = {json.dumps(holder.stop)}")
+    return "\n".join(lines) + "\n"
 
 
 def _with_attached(config: Config) -> Config:
