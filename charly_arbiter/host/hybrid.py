@@ -86,10 +86,10 @@ class HybridHost:
         """The simulated holders, the real ones, and the real processes holding the
         simulated nodes that run in none of the real holders (a container's are its)."""
         simulated = [h for h in self.sim.simulated_holders(tokens) if not self._is_real(h.ref)]
-        real = self.real.holders(tokens)
-        running = {holder.ref for holder in real if holder.running}
+        found = self.drains.holders([*simulated, *self.real.holders(tokens)])
+        running = {holder.ref for holder in found if holder.running}
         processes = self.sim.process_holders(tokens, known_owner(self.real, PROC_ROOT, running))
-        return [*processes, *self.drains.holders([*simulated, *real])]
+        return [*processes, *found]
 
     def device_users(self, tokens: Sequence[TokenSpec]) -> Sequence[DeviceUser]:
         return self.sim.device_users(tokens, known_owner(self.real, PROC_ROOT, None))

@@ -162,6 +162,9 @@ class LocalHost:
                     found.extend(source.holders(tokens))
             except (HostError, ImportError) as error:
                 log.warning("cannot list %s holders: %s", kind, error)
+        # A drained holder does not run as far as its GPU goes: a process of its that
+        # holds the GPU again is a holder of its own.
+        found = self.drains.holders(found)
         running = {holder.ref for holder in found if holder.running}
         return [
             *self.processes.holders(tokens, known_owner(self.registry, self.proc_root, running)),

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from charly_arbiter.core import files
 from charly_arbiter.core.host import (
     NO_DRIVER,
+    UNKNOWN_FUNCTION,
     Blocker,
     DeviceUser,
     Holder,
@@ -246,14 +247,19 @@ class SimHost:
         return self.processes().users(tokens, owner_of)
 
     def device_functions(self, numbers: Sequence[DeviceNumber]) -> dict[DeviceNumber, str]:
-        """The function whose listed node (a character device under DIR/dev) has each number."""
+        """The function whose listed node (a character device under DIR/dev) has each
+        number; UNKNOWN_FUNCTION while that function is not on its own driver (on
+        vfio-pci or unbound), as a real GPU's node then answers to no function."""
         wanted = set(numbers)
+        with self._state() as state:
+            drivers = dict(state["drivers"])
         found: dict[DeviceNumber, str] = {}
         for device in self._devices():
             for node in device.get("nodes", []):
                 number = char_device_number(self._node_path(node))
                 if number is not None and number in wanted:
-                    found[number] = device["address"]
+                    bound = drivers.get(device["address"]) not in ("", VFIO, None)
+                    found[number] = device["address"] if bound else UNKNOWN_FUNCTION
         return found
 
     # -- simulated holders -------------------------------------------------------------

@@ -48,8 +48,9 @@ def main(argv: list[str]) -> int:
             print(f"charly-arbiter: {USAGE}", file=sys.stderr)
             return 2
     stdout_to_stderr()
+    stages = [stage]  # what _dispatch learns from the state, for the boundary below
     try:
-        return _dispatch(stage, engine)
+        return _dispatch(stages, engine)
     except Exception as error:  # the boundary: one sentence, and the right exit code
         from charly_arbiter.errors import ArbiterError
 
@@ -63,10 +64,10 @@ def main(argv: list[str]) -> int:
 
                 traceback.print_exc()
             say(f"internal error in the OCI hook: {error!r}", None)
-        return 0 if stage == "release" else code
+        return 0 if stages[-1] == "release" else code
 
 
-def _dispatch(stage: str | None, engine: str | None) -> int:
+def _dispatch(stages: list[str | None], engine: str | None) -> int:
     import json
 
     raw = sys.stdin.buffer.read(MAX_STATE + 1)
@@ -75,7 +76,8 @@ def _dispatch(stage: str | None, engine: str | None) -> int:
     state = json.loads(raw)
     if not isinstance(state, dict):
         raise ValueError("the container state is not a JSON object")
-    stage = stage or STATUSES.get(str(state.get("status")))
+    stage = stages[0] or STATUSES.get(str(state.get("status")))
+    stages.append(stage)
     if stage is None:
         return 0  # a stage the arbiter has nothing to do in
     spec = _read_spec(state.get("bundle"))

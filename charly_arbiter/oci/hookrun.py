@@ -6,7 +6,7 @@ NVIDIA node of a token's function), each CDI device name by the tokens that
 list it (`cdi_devices` in arbiter.toml).  The container then takes a shared
 claim as `container:NAME`; a refusal fails its start with the arbiter's
 reason.  A GPU driver's node whose function the host cannot name now (its
-GPU is on vfio-pci) fails closed while a token is away from its driver.  On
+GPU is on vfio-pci) claims every token away from its driver.  On
 success a claim record (host/holders/container) makes the container a holder
 the arbiter can find, stop and start again.
 
@@ -23,7 +23,6 @@ While the hook runs, a marker says so: the runtime holds the container locked
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from charly_arbiter.compose import HOLDER_KINDS, build_arbiter, log_to_file, spawn_finish_release
@@ -120,7 +119,13 @@ class HookRun:
         return 0
 
     def tokens(self) -> list[str]:
-        """The tokens the container's devices belong to (its nodes, its CDI names)."""
+        """The tokens the container's devices belong to (its nodes, its CDI names).
+
+        A GPU node no function answers to now may be the node of any token that
+        is away from its driver (on vfio-pci for a VM): the claim then takes
+        those tokens too, so that it is refused for the reason they are away,
+        or brings them home when nothing holds them.
+        """
         arbiter = self.arbiter()
         numbers = [device.number for device in self.facts.devices]
         functions = arbiter.host.device_functions(numbers) if numbers else {}
@@ -139,31 +144,18 @@ class HookRun:
         for name in self.facts.cdi_devices:
             names += [t.name for t in self.config.tokens if name in t.cdi_devices]
         if unknown:
-            self._refuse_unknown(unknown, names)
+            nodes = ", ".join(str(device) for device in unknown)
+            away = [
+                spec.name
+                for spec in arbiter.tokens.all().values()
+                if any(function.driver in (None, VFIO) for function in spec.functions)
+            ]
+            if away:
+                log.info("%s: %s may be a node of %s", self.ref, nodes, ", ".join(away))
+            else:
+                log.info("%s: %s is no token's: every token is on its driver", self.ref, nodes)
+            names += away
         return list(dict.fromkeys(names))
-
-    def _refuse_unknown(self, unknown: Sequence[Device], names: Sequence[str]) -> None:
-        """A GPU node no function answers to: while a token is away from its driver
-        (on vfio-pci, or unbound) it may be that token's, and the start fails closed."""
-        away = [
-            spec.name
-            for spec in self.arbiter().tokens.all().values()
-            if spec.name not in names and any(f.driver in (None, VFIO) for f in spec.functions)
-        ]
-        nodes = ", ".join(str(device) for device in unknown)
-        if not away:
-            log.info("%s: %s belongs to no GPU on its driver; no token is away", self.ref, nodes)
-            return
-        state = Ledger(self.config.state_dir).read()
-        holders = sorted({lease.claimant for name in away for lease in state.leases_on(name)})
-        held = f" (held by {', '.join(holders)})" if holders else ""
-        raise ClaimRefused(
-            ", ".join(away),
-            self.ref,
-            f"it is given {nodes}, the node of a GPU that is not on its driver now, "
-            f"and {', '.join(away)} is away from its driver{held}",
-            hint="start the container once the GPU is back (`charly-arbiter status` shows it)",
-        )
 
     def policy(self) -> Policy:
         if self.nested():
