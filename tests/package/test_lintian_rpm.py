@@ -28,6 +28,7 @@ FEDORA_PATHS = {
     "_bindir": "/usr/bin",
     "_sysconfdir": "/etc",
     "_libexecdir": "/usr/libexec",
+    "_datadir": "/usr/share",
     "_mandir": "/usr/share/man",
     "_sharedstatedir": "/var/lib",
     "_unitdir": "/usr/lib/systemd/system",
