@@ -179,16 +179,18 @@ ready = ["/bin/sh", "-c", "sleep 4"]
 def test_the_docker_runtime_wrapper_claims_without_hooks_d(pm: Podman, tmp_path: Path) -> None:
     """hooks/oci-runtime as Podman's runtime, with no hooks directory at all: the
     wrapper adds the hook to the spec, as it does for Docker (which has no engine here)."""
-    from tests.containers.conftest import REPO, RUN_OPTIONS
+    from tests.containers.conftest import INSTALLED, REPO, RUN_OPTIONS
 
-    wrapper = tmp_path / "oci-runtime"
-    wrapper.write_text(
-        (REPO / "hooks" / "oci-runtime")
-        .read_text()
-        .replace("/usr/bin/charly-arbiter", str(pm.work / "charly-arbiter"))
-        .replace("/usr/libexec/charly-arbiter/oci-hook", str(pm.hook_program))
-    )
-    wrapper.chmod(0o755)
+    wrapper = Path("/usr/libexec/charly-arbiter/oci-runtime")
+    if not INSTALLED:
+        wrapper = tmp_path / "oci-runtime"
+        wrapper.write_text(
+            (REPO / "hooks" / "oci-runtime")
+            .read_text()
+            .replace("/usr/bin/charly-arbiter", str(pm.work / "charly-arbiter"))
+            .replace("/usr/libexec/charly-arbiter/oci-hook", str(pm.hook_program))
+        )
+        wrapper.chmod(0o755)
     empty = tmp_path / "no-hooks"
     empty.mkdir()
     options = ("--runtime", str(wrapper), *RUN_OPTIONS[2:])
