@@ -92,16 +92,17 @@ class Drains:
         self._mark(ref)
         log.info("%s: drained; it keeps running without its GPU", ref)
 
-    def start(self, ref: Claimant, start: Callable[[], None]) -> None:
-        """Start it again (a drained one just may use its GPU again), then wait until
-        its `ready` command succeeds."""
+    def start(self, ref: Claimant, start: Callable[[], None], running: Callable[[], bool]) -> None:
+        """Start it again (a drained one just may use its GPU again, unless it stopped
+        meanwhile), then wait until its `ready` command succeeds."""
         entry = self.listed.get(ref)
         if entry is None:
             start()
             return
-        if entry.drains_only and self.drained(ref):
+        drained = self.drained(ref)
+        if drained:
             self._forget(ref)
-        else:
+        if not drained or not running():
             start()
         if entry.ready:
             self._wait_ready(ref, entry.ready)

@@ -119,9 +119,10 @@ class HybridHost:
 
     def start(self, ref: Claimant) -> None:
         if self._is_real(ref):
-            self.drains.start(ref, lambda: self.real.for_ref(ref).start(ref))
+            source = self.real.for_ref(ref)
+            self.drains.start(ref, lambda: source.start(ref), lambda: source.is_running(ref))
         else:
-            self.drains.start(ref, lambda: self.sim.start(ref))
+            self.drains.start(ref, lambda: self.sim.start(ref), lambda: self.sim.is_running(ref))
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         return self.sim.passthrough_blocker(token)

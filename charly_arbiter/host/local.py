@@ -192,7 +192,9 @@ class LocalHost:
         self.drains.stop(ref, lambda: self.source(ref).stop(ref))
 
     def start(self, ref: Claimant) -> None:
-        self.drains.start(ref, lambda: self.source(ref).start(ref))
+        self.drains.start(
+            ref, lambda: self.source(ref).start(ref), lambda: self.source(ref).is_running(ref)
+        )
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         """`nvidia-ctk cdi generate` once an NVIDIA GPU is back on `nvidia`."""

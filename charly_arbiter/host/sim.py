@@ -313,9 +313,14 @@ class SimHost:
 
     def start(self, ref: Claimant) -> None:
         if self.drains is not None:
-            self.drains.start(ref, lambda: self._start(ref))
+            self.drains.start(ref, lambda: self._start(ref), lambda: self._runs(ref))
         else:
             self._start(ref)
+
+    def _runs(self, ref: Claimant) -> bool:
+        with self._state() as state:
+            running, unknown = state["running"], bool(state["unknown_alive"])
+            return bool(running[ref]) if ref in running else unknown
 
     def _start(self, ref: Claimant) -> None:
         spec = self._spec(ref)

@@ -208,3 +208,15 @@ def test_a_drain_before_a_stop_runs_first_and_a_failing_one_does_not_keep_it(
     host.stop(f"systemd:{unit}")
     assert order.read_text() == "drain\n"
     assert not host.is_running(f"systemd:{unit}")
+
+
+def test_a_drained_unit_that_stopped_meanwhile_is_started_again(
+    unit_host, server, kernel, unit, tmp_path
+) -> None:
+    host = unit_host(stop="drain", drain=("/bin/kill", "-USR1", str(server.pid)))
+    arbiter = Arbiter(host.config, host, Ledger(host.config.state_dir, 5))
+    arbiter.acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    (tmp_path / "units" / unit).unlink()  # an operator stopped it while it was drained
+    arbiter.release_claimant("libvirt:win11", force=True)
+    assert (tmp_path / "units" / unit).exists(), "the release did not start it again"
+    assert host.is_running(f"systemd:{unit}")
