@@ -31,6 +31,11 @@ COCKPIT_FILES := $(wildcard cockpit/*.html cockpit/*.js cockpit/*.css cockpit/ma
 # LIBEXECDIR and its postinst copies it here, so `apt remove` can take it away
 # (a conffile would stay behind).
 HOOK ?= $(SYSCONFDIR)/libvirt/hooks/qemu.d/charly-arbiter
+# The OCI hook: its programs (the hook, the runtime wrapper for Docker, the Ollama
+# drain) under LIBEXECDIR, and the hooks.d file where Podman and CRI-O look without
+# configuration (they read no /usr/local or /etc directory unless told to).
+OCIHOOKSDIR ?= /usr/share/containers/oci/hooks.d
+OCILIBEXEC = $(LIBEXECDIR)/charly-arbiter
 BUILDDIR ?= build
 DISTDIR ?= dist
 
@@ -69,6 +74,16 @@ install-data: man completions
 	$(PYTHON) packaging/launcher.py $(DESTDIR)$(BINDIR)/charly-arbiter $(PYTHON)
 	install -d -m 0755 $(DESTDIR)$(dir $(HOOK))
 	install -m 0755 hooks/qemu $(DESTDIR)$(HOOK)
+	install -d -m 0755 $(DESTDIR)$(OCILIBEXEC) $(DESTDIR)$(OCIHOOKSDIR)
+	for program in hooks/oci-hook hooks/oci-runtime etc/charly-arbiter/ollama-unload; do \
+		sed -e 's|/usr/bin/charly-arbiter|$(BINDIR)/charly-arbiter|g' \
+			-e 's|/usr/libexec/charly-arbiter/|$(OCILIBEXEC)/|g' $$program \
+			> $(DESTDIR)$(OCILIBEXEC)/$$(basename $$program) && \
+		chmod 0755 $(DESTDIR)$(OCILIBEXEC)/$$(basename $$program) || exit 1; \
+	done
+	sed 's|/usr/libexec/charly-arbiter/|$(OCILIBEXEC)/|g' hooks/charly-arbiter.json \
+		> $(DESTDIR)$(OCIHOOKSDIR)/charly-arbiter.json
+	chmod 0644 $(DESTDIR)$(OCIHOOKSDIR)/charly-arbiter.json
 	install -d -m 0755 $(DESTDIR)$(SYSCONFDIR)/charly-arbiter
 	@# never overwrite an administrator's configuration on a from-source reinstall
 	test -e $(DESTDIR)$(SYSCONFDIR)/charly-arbiter/arbiter.toml || \
@@ -96,7 +111,8 @@ install-docs:
 	install -d -m 0755 $(DESTDIR)$(DOCDIR)
 	install -m 0644 README.md docs/*.md $(DESTDIR)$(DOCDIR)/
 	install -d -m 0755 $(DESTDIR)$(DOCDIR)/examples
-	install -m 0644 etc/charly-arbiter/domain-metadata.xml $(DESTDIR)$(DOCDIR)/examples/
+	install -m 0644 etc/charly-arbiter/domain-metadata.xml etc/charly-arbiter/drains.toml \
+		$(DESTDIR)$(DOCDIR)/examples/
 
 # The source tree as git sees it (tracked and new, not ignored files), as a tarball.
 sources:

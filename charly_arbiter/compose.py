@@ -3,26 +3,40 @@
 The CLI, the libvirt hook and the hook's detached release all build their
 arbiter here, so the three see the same host with the same holder sources.  It
 is also where the layers meet: the host gets its holder sources from here
-(libvirt's domains live above it, in `libvirt/`), and `subject`, the domain a
-hook runs for, reaches the libvirt source as an argument, never through the
-environment.  Each source is imported only when a ref of its kind comes up.
+(libvirt's domains live above it, in `libvirt/`), and `subject`, the domain or
+container a hook runs for (`libvirt:NAME`, `container:NAME`), reaches the
+source of its kind as an argument, never through the environment.  Each
+source is imported only when a ref of its kind comes up.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
+from pathlib import Path
+
 from charly_arbiter.core.arbiter import Arbiter
-from charly_arbiter.core.config import Config
+from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.host import Host
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import ProcessRef
+from charly_arbiter.core.model import Claimant, ProcessRef
 from charly_arbiter.host.holders import HolderSource, SourceFactory
+from charly_arbiter.host.run import spawn_detached
+from charly_arbiter.logsetup import log_setup
 
+# The detached release's first argument (and its name in ps): a hook hands the rest
+# of a release that brings holders back to a process of its own (see below).
+DETACHED = "finish-release"
 # Every kind a holder or claimant ref may have (`KIND:NAME`) that a source answers for.
 HOLDER_KINDS = ("process", "systemd", "container", "libvirt")
 
 
 def holder_sources(subject: str | None = None) -> dict[str, SourceFactory]:
-    """kind -> a factory of its holder source; `subject` is the domain a hook is about."""
+    """kind -> a factory of its holder source; `subject` is the claimant a hook is about."""
+    about = Claimant.parse(subject) if subject else None
+
+    def subject_of(kind: str) -> str | None:
+        return about.name if about is not None and about.kind == kind else None
 
     def processes(config: Config) -> HolderSource:
         from charly_arbiter.host.holders.process import ProcessHolders
@@ -37,12 +51,12 @@ def holder_sources(subject: str | None = None) -> dict[str, SourceFactory]:
     def containers(config: Config) -> HolderSource:
         from charly_arbiter.host.holders.container import ContainerHolders
 
-        return ContainerHolders(config)
+        return ContainerHolders(config, subject=subject_of("container"))
 
     def domains(config: Config) -> HolderSource:
         from charly_arbiter.libvirt.domains import LibvirtHolders
 
-        return LibvirtHolders(config, subject=subject)
+        return LibvirtHolders(config, subject=subject_of("libvirt"))
 
     return {"process": processes, "systemd": systemd, "container": containers, "libvirt": domains}
 
@@ -85,3 +99,75 @@ def build_arbiter(
         events_for(config, progress=progress),
         owner,
     )
+
+
+# -- the detached half of a hook's release -------------------------------------------------
+
+
+def spawn_finish_release(config: Config, ref: str, reason: str, owner: ProcessRef) -> None:
+    """Hand the rest of `release` to a process of its own, with nothing of the hook's
+    (libvirt's or a container runtime's: a stop is never kept waiting for holders).
+
+    The child gets a fixed environment, so it is pointed at the directory this
+    package was loaded from (an installed package, or a checkout on PYTHONPATH).
+    It takes the releasing lease over from `owner` (this hook), which may have
+    exited by the time it looks.
+    """
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    spawn_detached(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); "
+            "from charly_arbiter.compose import finish_release; "
+            "sys.exit(finish_release(sys.argv[3:]))",
+            package_parent,
+            DETACHED,
+            str(config.path or "-"),
+            str(config.state_dir),
+            config.host,
+            ref,
+            reason or "-",
+            f"{owner.pid}:{owner.start}",
+        ]
+    )
+
+
+def finish_release(argv: list[str]) -> int:
+    """The detached half of `release`: send home, restore holders, drop the lease."""
+    if len(argv) != 6:
+        print(
+            f"charly-arbiter: usage: {DETACHED} CONFIG STATE_DIR HOST CLAIMANT REASON PID:START",
+            file=sys.stderr,
+        )
+        return 2
+    config_path, state_dir, host, ref, reason, began_by = argv
+    reason = "" if reason == "-" else reason
+    pid, _, start = began_by.partition(":")
+    takeover = ProcessRef(int(pid), int(start or "0"))
+    log_setup(1, stderr=False)  # (its stderr is /dev/null: it runs detached)
+    config = load_config(
+        None if config_path == "-" else Path(config_path), state_dir=Path(state_dir), host=host
+    )
+    log_to_file(config)
+    arbiter = build_arbiter(config)
+    try:
+        arbiter.releaser().finish(ref, reason != "failed", reason, takeover=takeover)
+    finally:
+        arbiter.host.close()
+    return 0
+
+
+def log_to_file(config: Config) -> None:
+    """The steps of every hook call go to `hook_log` when it is set (the system log
+    keeps only the warnings)."""
+    if config.hook_log is None:
+        return
+    handler = logging.FileHandler(config.hook_log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger("charly_arbiter")
+    for existing in root.handlers:
+        existing.setLevel(logging.WARNING)
+    root.addHandler(handler)
+    root.setLevel(min(root.level or logging.INFO, logging.INFO))

@@ -1,7 +1,7 @@
 """The layers of docs/architecture.md, checked on the code's own imports.
 
-Arrows run one way: cli -> libvirt / ops / compose -> host -> core (errors and
-logsetup at the bottom).  Every import counts, at module level or inside a
+Arrows run one way: cli -> libvirt / oci / ops / compose -> host -> core (errors
+and logsetup at the bottom).  Every import counts, at module level or inside a
 function or an `if TYPE_CHECKING:` block: a lazy import is still a dependency.
 No module may take part in an import circle.
 """
@@ -20,8 +20,9 @@ ALLOWED = {
     "host": {"core", "host", *BOTTOM},
     "ops": {"core", "host", "ops", *BOTTOM},
     "libvirt": {"core", "host", "ops", "libvirt", "compose", *BOTTOM},
+    "oci": {"core", "host", "ops", "oci", "compose", *BOTTOM},
     "compose": {"core", "host", "ops", "libvirt", *BOTTOM},
-    "cli": {"core", "host", "ops", "libvirt", "compose", "cli", *BOTTOM},
+    "cli": {"core", "host", "ops", "libvirt", "oci", "compose", "cli", *BOTTOM},
     "main": {"cli", *BOTTOM},
     "errors": {"errors"},
     "logsetup": {"logsetup"},

@@ -1,8 +1,9 @@
 """The `charly-arbiter` command: a thin click layer over the arbiter.
 
 Commands live one concept per module and are imported only when used.  The
-libvirt hook (`charly-arbiter hook …`) bypasses click entirely: it runs on
-every VM start and stop, and its path must import almost nothing.
+hooks bypass click entirely: the libvirt hook (`charly-arbiter hook qemu …`)
+runs on every VM start and stop, the OCI hook (`charly-arbiter hook oci`) on
+every container's, and their paths must import almost nothing.
 
 Errors are turned into one or two sentences on stderr here, at one boundary;
 a traceback only with `-v`.
@@ -30,11 +31,21 @@ COMMANDS = {
     "history": "charly_arbiter.cli.history:history",
     "metrics": "charly_arbiter.cli.metrics:metrics",
     "recover": "charly_arbiter.cli.recover:recover_command",
+    "attach": "charly_arbiter.cli.attach:attach",
+    "detach": "charly_arbiter.cli.attach:detach",
 }
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
+    if args[:2] == ["hook", "oci"]:
+        from charly_arbiter.oci.hook import main as oci_main
+
+        sys.exit(oci_main(args[2:]))
+    if args[:2] == ["hook", "oci-inject"]:
+        from charly_arbiter.oci.inject import main as inject_main
+
+        sys.exit(inject_main(args[2:]))
     if args[:1] == ["hook"]:
         from charly_arbiter.libvirt.hook import main as hook_main
 

@@ -19,6 +19,7 @@ import click
 
 from charly_arbiter.cli.app import App
 from charly_arbiter.core.arbiter import Status, TokenStatus
+from charly_arbiter.core.config import HolderConfig
 from charly_arbiter.core.model import Lease
 from charly_arbiter.ops.explain import age, stranded_why
 from charly_arbiter.ops.follow import follow
@@ -51,13 +52,15 @@ def status(app: App, as_json: bool, following: bool, interval: float) -> None:
         _follow(app, interval)
         return
     result = app.arbiter().status()
+    attached = [holder for holder in app.config().holders if holder.attached is not None]
     if as_json:
         # Indented for a person; one line for a program (json's C encoder, which
         # indenting bypasses, is ten times faster with many leases).
         indent = 2 if sys.stdout.isatty() else None
-        click.echo(json.dumps(status_document(result), indent=indent, sort_keys=True))
+        document = status_document(result, attached)
+        click.echo(json.dumps(document, indent=indent, sort_keys=True))
     else:
-        click.echo(render(result, colour=sys.stdout.isatty()))
+        click.echo(render(result, colour=sys.stdout.isatty(), attached=attached))
     if result.corrupt:
         raise SystemExit(1)
 
@@ -66,9 +69,10 @@ def _follow(app: App, interval: float) -> None:
     """`--json --follow`: compact lines on stdout, flushed, until its reader closes it."""
     arbiter = app.arbiter()
     state_dir = app.config().state_dir
+    attached = [holder for holder in app.config().holders if holder.attached is not None]
 
     def produce() -> str:
-        return json.dumps(status_document(arbiter.status()), sort_keys=True)
+        return json.dumps(status_document(arbiter.status(), attached), sort_keys=True)
 
     def emit(text: str) -> bool:
         try:
@@ -97,8 +101,18 @@ def _reader_gone() -> bool:
     return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
 
 
-def status_document(result: Status) -> dict[str, Any]:
+def status_document(result: Status, attached: Sequence[HolderConfig] = ()) -> dict[str, Any]:
     return {
+        "attached": [
+            {
+                "unit": holder.ref,
+                "tokens": list(holder.tokens),
+                "mode": holder.mode,
+                "preemptible": holder.preemptible,
+                "dropin": str(holder.dropin or ""),
+            }
+            for holder in attached
+        ],
         "generation": result.generation,
         "corrupt": result.corrupt,
         "leases": [
@@ -144,8 +158,14 @@ _COLOURS: dict[str, dict[str, Any]] = {
 }
 
 
-def render(result: Status, colour: bool = False, now: datetime | None = None) -> str:
-    """The table; `now` fixes the lease ages (golden tests), `colour` adds ANSI styles."""
+def render(
+    result: Status,
+    colour: bool = False,
+    now: datetime | None = None,
+    attached: Sequence[HolderConfig] = (),
+) -> str:
+    """The table; `now` fixes the lease ages (golden tests), `colour` adds ANSI styles;
+    then the units `attach` made claim by themselves."""
     style: Style = _styled if colour else _plain
     moment = now or datetime.now(UTC)
     lines: list[str] = []
@@ -166,6 +186,13 @@ def render(result: Status, colour: bool = False, now: datetime | None = None) ->
         lines.append("hint: run `charly-arbiter restore --stranded`")
     elif not result.leases and not result.corrupt:  # a corrupt ledger is never "no leases"
         lines.append("no leases")
+    if attached:
+        lines += ["", style("attached units", "head")]
+        rows = [("UNIT", "TOKENS", "CLAIM", "DROP-IN")]
+        for holder in attached:
+            claim = holder.mode + ("" if holder.preemptible else ", not preemptible")
+            rows.append((holder.ref, ", ".join(holder.tokens), claim, str(holder.dropin or "-")))
+        lines += _table(rows, style)
     return "\n".join(lines).rstrip("\n")
 
 

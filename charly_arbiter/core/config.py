@@ -7,8 +7,10 @@ Command-line options and environment variables override the file.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import stat
 import tomllib
 from collections.abc import Mapping
@@ -33,6 +35,13 @@ PREEMPTION_POLICIES = ("stop", "refuse")
 # console off it (and give it back when the GPU comes home).
 CONSOLE_POLICIES = ("refuse", "release")
 HOLDER_KINDS = ("systemd", "container", "libvirt")
+# `charly-arbiter attach` records each unit it attached in a file of its own here,
+# beside arbiter.toml; they are read as holders too.
+ATTACHED_DIR = "attached.d"
+HOLDER_KEYS = {"kind", "name", "tokens", "preemptible", "stop", "runtime", "drain", "ready"}
+ATTACHED_KEYS = {"mode", "dropin"}
+# A CDI device name, `vendor.com/class=name` (the CDI spec's grammar, a little stricter).
+_CDI_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*=[A-Za-z0-9_.:-]+")
 
 
 @dataclass(frozen=True)
@@ -48,6 +57,10 @@ class Timeouts:
     # How long a claim waits for an operation under way that will let it through
     # (its own previous lease being released: a VM destroyed and started at once).
     claim_wait: float = 30.0
+    # A holder's `drain` command, and the wait for it to let go of the GPU.
+    holder_drain: float = 30.0
+    # How long a release waits for a holder's `ready` command to succeed.
+    holder_ready: float = 120.0
 
 
 MAX_SECONDS = 86400.0  # no timeout is longer than a day
@@ -71,20 +84,40 @@ class TokenConfig:
     home_driver: str | None = None
     cdi: bool = True
     console: str | None = None  # None: the top-level `console`
+    # CDI device names (`nvidia.com/gpu=0`) that stand for this token in a
+    # container's annotations (the OCI hook claims the token for them).
+    cdi_devices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class HolderConfig:
-    """A holder the host cannot discover by itself (a unit or container using a token)."""
+    """A holder the host cannot discover by itself (a unit or container using a token).
+
+    `drain` runs before the holder is stopped (it unloads models, finishes
+    requests); with `stop = "drain"` the holder is not stopped at all, only
+    drained, and must have let go of the GPU's device nodes before the switch.
+    `ready` runs after it is started again (or, drained, after the GPU is back),
+    until it succeeds: a release waits for it.
+    """
 
     ref: Claimant
     tokens: tuple[str, ...]
     preemptible: bool = False
-    stop: str = "stop"  # libvirt: "shutdown" or "managedsave"; others: "stop"
+    stop: str = "stop"  # libvirt: "shutdown" or "managedsave"; others: "stop" or "drain"
     runtime: str = "podman"  # containers only
+    drain: tuple[str, ...] = ()  # an argv, its program an absolute path
+    ready: tuple[str, ...] = ()
+    attached: Path | None = None  # the attached.d file that records it (`attach`)
+    mode: str = "shared"  # attached units: how their drop-in claims
+    dropin: Path | None = None  # attached units: the drop-in `attach` wrote
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ref", Claimant.parse(self.ref))
+
+    @property
+    def drains_only(self) -> bool:
+        """Drained in place of a stop: it keeps running without the GPU."""
+        return self.stop == "drain"
 
 
 @dataclass(frozen=True)
@@ -99,7 +132,15 @@ class Config:
     hook_log: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     tokens: tuple[TokenConfig, ...] = ()
-    holders: tuple[HolderConfig, ...] = ()
+    holders: tuple[HolderConfig, ...] = ()  # arbiter.toml's, then attached.d's
+
+    @property
+    def attached_dir(self) -> Path:
+        """Where `attach` records units: beside the configuration file."""
+        return (self.path or DEFAULT_CONFIG).parent / ATTACHED_DIR
+
+    def holder(self, ref: str) -> HolderConfig | None:
+        return next((holder for holder in self.holders if holder.ref == ref), None)
 
 
 def load_config(
@@ -116,6 +157,7 @@ def load_config(
         config = _parse(config_path, _read_table(config_path))
     else:
         config = Config()
+    config = _with_attached(config)
     if ENV_STATE_DIR in environ:
         config = replace(config, state_dir=Path(environ[ENV_STATE_DIR]))
     if ENV_HOST in environ:
@@ -241,7 +283,9 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
         raise ConfigError(reader.path, key, "expected a table with an address")
     if not name or not all(c.isalnum() or c in "-_." for c in name):
         raise ConfigError(reader.path, key, "a token name may only use letters, digits, - _ .")
-    reader.no_unknown_keys(spec, {"address", "home_driver", "cdi", "console"}, f"{key}.")
+    reader.no_unknown_keys(
+        spec, {"address", "home_driver", "cdi", "cdi_devices", "console"}, f"{key}."
+    )
     address = reader.get(spec, "address", str, None, f"{key}.address")
     if address is None:
         raise ConfigError(reader.path, f"{key}.address", "is missing")
@@ -256,6 +300,14 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
             f"{key}.home_driver",
             f"{home_driver!r} is not a kernel driver name (letters, digits, - and _)",
         )
+    cdi_devices = reader.get(spec, "cdi_devices", list, [], f"{key}.cdi_devices")
+    for device in cdi_devices:
+        if not isinstance(device, str) or _CDI_NAME.fullmatch(device) is None:
+            raise ConfigError(
+                reader.path,
+                f"{key}.cdi_devices",
+                f"{device!r} is not a CDI device name (vendor.com/class=name)",
+            )
     return TokenConfig(
         name=name,
         address=address,
@@ -264,6 +316,7 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
         console=reader.choice(spec, "console", CONSOLE_POLICIES, f"{key}.console")
         if "console" in spec
         else None,
+        cdi_devices=tuple(cdi_devices),
     )
 
 
@@ -272,43 +325,114 @@ def is_driver_name(name: str) -> bool:
     return 0 < len(name) <= 64 and all(c.isascii() and (c.isalnum() or c in "-_") for c in name)
 
 
-def _parse_holder(reader: _Reader, index: int, spec: Any, tokens: set[str]) -> HolderConfig:
-    key = f"holders[{index}]"
+def _parse_holder(
+    reader: _Reader, index: int | None, spec: Any, tokens: set[str], attached: Path | None = None
+) -> HolderConfig:
+    key = "" if index is None else f"holders[{index}]"
+    prefix = f"{key}." if key else ""
     if not isinstance(spec, dict):
-        raise ConfigError(reader.path, key, "expected a table")
-    reader.no_unknown_keys(
-        spec, {"kind", "name", "tokens", "preemptible", "stop", "runtime"}, f"{key}."
-    )
-    kind = reader.get(spec, "kind", str, "", f"{key}.kind")
+        raise ConfigError(reader.path, key or None, "expected a table")
+    reader.no_unknown_keys(spec, HOLDER_KEYS | (ATTACHED_KEYS if attached else set()), prefix)
+    kind = reader.get(spec, "kind", str, "", f"{prefix}kind")
     if kind not in HOLDER_KINDS:
-        raise ConfigError(reader.path, f"{key}.kind", f"expected one of {', '.join(HOLDER_KINDS)}")
-    name = reader.get(spec, "name", str, "", f"{key}.name")
+        raise ConfigError(
+            reader.path, f"{prefix}kind", f"expected one of {', '.join(HOLDER_KINDS)}"
+        )
+    name = reader.get(spec, "name", str, "", f"{prefix}name")
     try:
         ref = Claimant.parse(f"{kind}:{name}")
     except ArbiterError as error:
-        raise ConfigError(reader.path, f"{key}.name", str(error)) from None
-    held = reader.get(spec, "tokens", list, [], f"{key}.tokens")
+        raise ConfigError(reader.path, f"{prefix}name", str(error)) from None
+    held = reader.get(spec, "tokens", list, [], f"{prefix}tokens")
     for token in held:
         if not isinstance(token, str):
-            raise ConfigError(reader.path, f"{key}.tokens", "expected a list of token names")
+            raise ConfigError(reader.path, f"{prefix}tokens", "expected a list of token names")
         if tokens and token not in tokens:
-            raise ConfigError(reader.path, f"{key}.tokens", f"{token!r} is not a configured token")
-    stop = reader.get(spec, "stop", str, "stop", f"{key}.stop")
-    allowed = ("shutdown", "managedsave") if kind == "libvirt" else ("stop",)
+            raise ConfigError(
+                reader.path, f"{prefix}tokens", f"{token!r} is not a configured token"
+            )
+    stop = reader.get(spec, "stop", str, "stop", f"{prefix}stop")
+    allowed = ("shutdown", "managedsave") if kind == "libvirt" else ("stop", "drain")
     if stop == "stop" and kind == "libvirt":
         stop = "shutdown"
     if stop not in allowed:
-        raise ConfigError(reader.path, f"{key}.stop", f"expected one of {', '.join(allowed)}")
-    runtime = reader.get(spec, "runtime", str, "podman", f"{key}.runtime")
+        raise ConfigError(reader.path, f"{prefix}stop", f"expected one of {', '.join(allowed)}")
+    runtime = reader.get(spec, "runtime", str, "podman", f"{prefix}runtime")
     if runtime not in ("podman", "docker"):
-        raise ConfigError(reader.path, f"{key}.runtime", "expected podman or docker")
+        raise ConfigError(reader.path, f"{prefix}runtime", "expected podman or docker")
+    drain = reader.command(spec, "drain", f"{prefix}drain")
+    if stop == "drain" and not drain:
+        raise ConfigError(
+            reader.path, f"{prefix}stop", '"drain" needs a drain command (the drain key)'
+        )
+    mode = reader.get(spec, "mode", str, "shared", f"{prefix}mode")
+    if mode not in ("shared", "exclusive"):
+        raise ConfigError(reader.path, f"{prefix}mode", "expected shared or exclusive")
+    dropin = reader.get(spec, "dropin", str, "", f"{prefix}dropin")
+    if dropin and not Path(dropin).is_absolute():
+        raise ConfigError(reader.path, f"{prefix}dropin", f"{dropin!r} is not an absolute path")
     return HolderConfig(
         ref=ref,
         tokens=tuple(str(token) for token in held),
-        preemptible=reader.get(spec, "preemptible", bool, False, f"{key}.preemptible"),
+        preemptible=reader.get(spec, "preemptible", bool, False, f"{prefix}preemptible"),
         stop=stop,
         runtime=runtime,
+        drain=drain,
+        ready=reader.command(spec, "ready", f"{prefix}ready"),
+        attached=attached,
+        mode=mode,
+        dropin=Path(dropin) if dropin else None,
     )
+
+
+def attached_text(holder: HolderConfig) -> str:
+    """The attached.d file `attach` writes for `holder`: the keys `_parse_holder` reads.
+
+    Strings are written as JSON strings, which are TOML basic strings too.
+    """
+    lines = [
+        f"# Written by `charly-arbiter attach`; `charly-arbiter detach {holder.ref}` removes",
+        "# it and its drop-in.  The keys of a [[holders]] table in arbiter.toml, plus how the",
+        "# unit claims (mode) and where its drop-in is.",
+        f"kind = {json.dumps(holder.ref.kind)}",
+        f"name = {json.dumps(holder.ref.name)}",
+        f"tokens = [{', '.join(json.dumps(token) for token in holder.tokens)}]",
+        f"preemptible = {'true' if holder.preemptible else 'false'}",
+        f"mode = {json.dumps(holder.mode)}",
+    ]
+    if holder.dropin is not None:
+        lines.append(f"dropin = {json.dumps(str(holder.dropin))}")
+    for key, command in (("drain", holder.drain), ("ready", holder.ready)):
+        if command:
+            lines.append(f"{key} = [{', '.join(json.dumps(part) for part in command)}]")
+    if holder.stop != "stop":
+        lines.append(f"stop = {json.dumps(holder.stop)}")
+    return "\n".join(lines) + "\n"
+
+
+def _with_attached(config: Config) -> Config:
+    """arbiter.toml's holders, then one from each attached.d/*.toml file.
+
+    Each file is checked like the configuration (a root-owned regular file) and
+    validated like a [[holders]] table; a holder listed twice is an error.
+    """
+    directory = config.attached_dir
+    try:
+        paths = sorted(directory.glob("*.toml")) if directory.is_dir() else []
+    except OSError as error:
+        raise ConfigError(directory, None, f"cannot be read ({error.strerror})") from error
+    if not paths:
+        return config
+    token_names = {token.name for token in config.tokens}
+    holders = list(config.holders)
+    for path in paths:
+        holder = _parse_holder(_Reader(path), None, _read_table(path), token_names, path)
+        listed = next((h for h in holders if h.ref == holder.ref), None)
+        if listed is not None:
+            where = listed.attached or config.path or "arbiter.toml"
+            raise ConfigError(path, "name", f"{holder.ref} is listed in {where} already")
+        holders.append(holder)
+    return replace(config, holders=tuple(holders))
 
 
 def _check_host_spec(config: Config) -> None:
@@ -357,6 +481,21 @@ class _Reader:
                 self.path, name, "expected a non-empty string without control characters"
             )
         return str(value)
+
+    def command(self, table: dict[str, Any], name: str, key: str) -> tuple[str, ...]:
+        """An argv: a list of strings, the program an absolute path (no shell runs it)."""
+        value = self.get(table, name, list, [], key)
+        if not value:
+            return ()
+        if not all(isinstance(part, str) and part.isprintable() for part in value):
+            raise ConfigError(
+                self.path, key, "expected a list of strings without control characters"
+            )
+        if not value[0].startswith("/"):
+            raise ConfigError(
+                self.path, key, f"{value[0]!r}: the program must be an absolute path (no shell)"
+            )
+        return tuple(value)
 
     def choice(
         self, table: dict[str, Any], name: str, choices: tuple[str, ...], key: str = ""

@@ -103,6 +103,27 @@ class Holder:
 
 
 @dataclass(frozen=True)
+class DeviceUser:
+    """A process that has one of a token's device nodes open now, and the holder
+    (a unit, a container) it runs in where that is known."""
+
+    pid: int
+    command: str
+    node: str
+    token: str
+    owner: Claimant | None = None
+
+    def __str__(self) -> str:
+        of = f" of {self.owner}" if self.owner else ""
+        return f"pid {self.pid} ({self.command}){of} has {self.node} open"
+
+
+# What `Host.device_functions` says of a GPU driver's node whose function it
+# cannot name now (its GPU is not bound to that driver: on vfio-pci, perhaps a token's).
+UNKNOWN_FUNCTION = ""
+
+
+@dataclass(frozen=True)
 class Blocker:
     """Why this host cannot pass a GPU through at all, and what would fix it."""
 
@@ -151,6 +172,22 @@ class Host(Protocol):
     def stop(self, ref: Claimant) -> None: ...
 
     def start(self, ref: Claimant) -> None: ...
+
+    def device_users(self, tokens: Sequence[TokenSpec]) -> Sequence[DeviceUser]:
+        """Every process that has a device node of one of `tokens` open now (what a
+        drained holder must have let go of before the switch)."""
+        ...
+
+    def device_functions(self, numbers: Sequence[tuple[int, int]]) -> Mapping[tuple[int, int], str]:
+        """Which PCI function each character device (major, minor) is a node of.
+
+        Only GPU nodes are answered: a DRM card or render node, an NVIDIA
+        `/dev/nvidiaN`.  UNKNOWN_FUNCTION says it is a GPU driver's node whose
+        function is not bound to that driver now; other numbers are left out.
+        (A container's spec names its devices by number: this is how the OCI
+        hook finds the GPUs a container is given.)
+        """
+        ...
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         """What keeps the token from being passed through (no IOMMU, no vfio-pci,

@@ -17,19 +17,28 @@ from dataclasses import replace
 from pathlib import Path
 
 from charly_arbiter.core.config import Config
-from charly_arbiter.core.host import Blocker, Holder, PciFunction, TokenSpec, common_blocker
+from charly_arbiter.core.host import (
+    Blocker,
+    DeviceUser,
+    Holder,
+    PciFunction,
+    TokenSpec,
+    common_blocker,
+)
 from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
 from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed
 from charly_arbiter.host import run
 from charly_arbiter.host.blocking import Writer
 from charly_arbiter.host.console import Console
-from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory
+from charly_arbiter.host.devnodes import device_functions
+from charly_arbiter.host.draining import Drains, token_specs
+from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory, known_owner
 from charly_arbiter.host.holders.nvidia import NvidiaPersistence
 from charly_arbiter.host.holders.process import ProcessHolders
 from charly_arbiter.host.kmod import MODULES_ROOT, KernelModules
 from charly_arbiter.host.nvml import Nvml
 from charly_arbiter.host.pcidata import pci_data
-from charly_arbiter.host.procscan import process_alive, process_ref
+from charly_arbiter.host.procscan import DeviceNumber, process_alive, process_ref
 from charly_arbiter.host.sysfs import DEV_ROOT, PROC_ROOT, SYS_ROOT, Switcher, Sysfs
 from charly_arbiter.host.sysfs import write_attribute as default_writer
 
@@ -85,6 +94,9 @@ class LocalHost:
         own = (ProcessHolders.kind, NvidiaPersistence.kind)
         others = {k: f for k, f in (sources or {}).items() if k not in own}
         self.registry = HolderRegistry(config, others)
+        self.drains = Drains(
+            config, token_specs(config, self.token_functions), self.device_users, self.boot_id
+        )
 
     def boot_id(self) -> str:
         path = self.proc_root / "sys" / "kernel" / "random" / "boot_id"
@@ -201,13 +213,15 @@ class LocalHost:
         return process_alive(self.proc_root, process)
 
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
-        """Processes holding the tokens' device nodes, then every other holder kind.
+        """Every holder kind, then the processes holding the tokens' device nodes
+        that run in none of the running holders found (a unit's or a container's
+        processes are that holder's: stopping it is what lets go of the node).
 
         A kind whose manager cannot be reached (libvirtd not running) has no
         holders to report: a VM that still runs without it holds /dev/vfio/N,
         which the process scan sees.  That is logged, not fatal.
         """
-        found = list(self.processes.holders(tokens))
+        found: list[Holder] = []
         for kind in self.registry.kinds:
             try:
                 source = self.registry.source(kind)
@@ -215,7 +229,20 @@ class LocalHost:
                     found.extend(source.holders(tokens))
             except (HostError, ImportError) as error:
                 log.warning("cannot list %s holders: %s", kind, error)
-        return found
+        # A drained holder does not run as far as its GPU goes: a process of its that
+        # holds the GPU again is a holder of its own.
+        found = self.drains.holders(found)
+        running = {holder.ref for holder in found if holder.running}
+        return [
+            *self.processes.holders(tokens, known_owner(self.registry, self.proc_root, running)),
+            *found,
+        ]
+
+    def device_users(self, tokens: Sequence[TokenSpec]) -> list[DeviceUser]:
+        return self.processes.users(tokens, known_owner(self.registry, self.proc_root, None))
+
+    def device_functions(self, numbers: Sequence[DeviceNumber]) -> dict[DeviceNumber, str]:
+        return device_functions(self.sysfs.root, self.proc_root, numbers)
 
     def source(self, ref: Claimant) -> HolderSource:
         kind = Claimant.parse(ref).kind
@@ -233,16 +260,18 @@ class LocalHost:
         return {address: frozenset(p.pid for p in gpu.processes) for address, gpu in gpus.items()}
 
     def is_running(self, ref: Claimant) -> bool:
-        return self.source(ref).is_running(ref)
+        return self.drains.is_running(ref, self.source(ref).is_running(ref))
 
     def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         return {ref: self.is_running(ref) for ref in refs}
 
     def stop(self, ref: Claimant) -> None:
-        self.source(ref).stop(ref)
+        self.drains.stop(ref, lambda: self.source(ref).stop(ref))
 
     def start(self, ref: Claimant) -> None:
-        self.source(ref).start(ref)
+        self.drains.start(
+            ref, lambda: self.source(ref).start(ref), lambda: self.source(ref).is_running(ref)
+        )
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         """`nvidia-ctk cdi generate` after an NVIDIA GPU moved, either way: it lists

@@ -3,16 +3,24 @@
 `lsof` and `fuser` are not always installed and parse poorly; reading the fd
 links is what they do anyway.  A process that exits or denies access while it
 is being read is skipped: the scan is a snapshot, repeated before every claim.
+
+A link names the node as the process sees it: inside a container that is the
+container's own `/dev/…`, not the host's path.  So a node is also recognised
+by its device number (what `stat` of the fd says), for every fd whose link
+lies under `/dev/`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection
+import stat
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from charly_arbiter.core.model import ProcessRef
+
+DeviceNumber = tuple[int, int]  # (major, minor) of a character device
 
 
 @dataclass(frozen=True)
@@ -22,10 +30,17 @@ class OpenNode:
     node: str
 
 
-def scan(proc_root: Path, nodes: Collection[str], exclude: Collection[int] = ()) -> list[OpenNode]:
-    """Every (pid, command name, node) where a process has one of `nodes` open."""
+def scan(
+    proc_root: Path,
+    nodes: Collection[str],
+    exclude: Collection[int] = (),
+    numbers: Mapping[DeviceNumber, str] | None = None,
+) -> list[OpenNode]:
+    """Every (pid, command name, node) where a process has one of `nodes` open, or a
+    character device whose number `numbers` maps to one of them (by any path)."""
     wanted = set(nodes)
-    if not wanted:
+    by_number = dict(numbers or {})
+    if not wanted and not by_number:
         return []
     found: list[OpenNode] = []
     for pid in _pids(proc_root):
@@ -44,9 +59,45 @@ def scan(proc_root: Path, nodes: Collection[str], exclude: Collection[int] = ())
                 continue
             if target in wanted:
                 held.add(target)
+            elif by_number and target.startswith("/dev/"):
+                node = _node_by_number(fd_dir / fd, by_number)
+                if node is not None:
+                    held.add(node)
         for node in sorted(held):
             found.append(OpenNode(pid, command_name(proc_root, pid), node))
     return found
+
+
+def _node_by_number(fd: Path, numbers: Mapping[DeviceNumber, str]) -> str | None:
+    try:
+        info = os.stat(fd)
+    except OSError:
+        return None
+    if not stat.S_ISCHR(info.st_mode):
+        return None
+    return numbers.get((os.major(info.st_rdev), os.minor(info.st_rdev)))
+
+
+def char_device_number(path: Path) -> DeviceNumber | None:
+    """The (major, minor) of a character device node, or None for anything else."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISCHR(info.st_mode):
+        return None
+    return os.major(info.st_rdev), os.minor(info.st_rdev)
+
+
+def cgroup_paths(proc_root: Path, pid: int) -> tuple[str, ...]:
+    """The cgroup paths `pid` is in (every hierarchy's, v1 and v2), or () when gone."""
+    try:
+        text = (proc_root / str(pid) / "cgroup").read_text()
+    except OSError:
+        return ()
+    return tuple(
+        dict.fromkeys(line.split(":", 2)[2] for line in text.splitlines() if line.count(":") >= 2)
+    )
 
 
 def command_lines(proc_root: Path, wanted: Callable[[list[bytes]], bool]) -> list[int]:

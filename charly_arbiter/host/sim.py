@@ -5,6 +5,12 @@ injection flags (see docs/simulated-host.md).  What changes while it runs
 (bound drivers, which holders run, the boot id) lives in `DIR/state.json`,
 under its own lock, so that separate processes see each other's effects.
 `host.toml` is read on every call, so a test can inject a fault mid-scenario.
+
+A device may list device nodes (`nodes = ["dri/card1"]`), files under
+`DIR/dev` that stand for its /dev nodes: real processes that hold one open are
+found by the same /proc scan as on a real host (and always refuse a claim, as
+with `device_holder_policy = "refuse"`), and a character device there is known
+by its number, as a container runtime names it.
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ import time
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from charly_arbiter.core import files
 from charly_arbiter.core.host import (
     NO_DRIVER,
+    UNKNOWN_FUNCTION,
     Blocker,
+    DeviceUser,
     Holder,
     PciFunction,
     TokenSpec,
@@ -31,7 +39,16 @@ from charly_arbiter.core.host import (
 from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
 from charly_arbiter.errors import HolderError, HostError, SwitchFailed, SwitchHung
 from charly_arbiter.host.blocking import TimedOut, bounded
-from charly_arbiter.host.procscan import process_alive, process_ref
+from charly_arbiter.host.procscan import (
+    DeviceNumber,
+    char_device_number,
+    process_alive,
+    process_ref,
+)
+
+if TYPE_CHECKING:
+    from charly_arbiter.host.draining import Drains
+    from charly_arbiter.host.holders.process import OwnerOf, ProcessHolders
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +63,11 @@ class SimHost:
         self.directory = directory
         self.switch_timeout = switch_timeout
         self.description = f"sim:{directory}"
+        self.dev_root = directory / "dev"
         self._parsed: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
+        self._processes: ProcessHolders | None = None
+        # The configured drains (set by `open_sim`; a bare SimHost in a test has none).
+        self.drains: Drains | None = None
         if not (directory / "host.toml").is_file():
             raise HostError(
                 f"the simulated host {directory} has no host.toml",
@@ -184,6 +205,77 @@ class SimHost:
                 )
 
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
+        simulated = self.simulated_holders(tokens)
+        if self.drains is not None:
+            simulated = self.drains.holders(simulated)
+        return [*self.process_holders(tokens), *simulated]
+
+    # -- device nodes ------------------------------------------------------------------
+
+    def node_tokens(self, tokens: Sequence[TokenSpec]) -> dict[str, str]:
+        """Each token's nodes under DIR/dev (those host.toml lists): path -> token."""
+        nodes = {
+            device["address"]: device.get("nodes", [])
+            for device in self._devices()
+            if device.get("nodes")
+        }
+        found: dict[str, str] = {}
+        for token in tokens:
+            for function in token.functions:
+                for node in nodes.get(function.address, []):
+                    found[str(self._node_path(node))] = token.name
+        return found
+
+    def _node_path(self, node: Any) -> Path:
+        relative = Path(str(node))
+        if relative.is_absolute() or ".." in relative.parts or not relative.parts:
+            raise HostError(
+                f"{self.directory / 'host.toml'}: node {node!r} is not a path under dev/"
+            )
+        return self.dev_root / relative
+
+    def processes(self) -> ProcessHolders:
+        if self._processes is None:
+            from charly_arbiter.core.config import Config
+            from charly_arbiter.host.holders.process import ProcessHolders
+
+            self._processes = ProcessHolders(Config(), proc_root=PROC_ROOT, nodes=self.node_tokens)
+        return self._processes
+
+    def process_holders(
+        self, tokens: Sequence[TokenSpec], owner_of: OwnerOf | None = None
+    ) -> list[Holder]:
+        """Real processes holding the tokens' nodes (none when host.toml lists no nodes)."""
+        if not any(device.get("nodes") for device in self._devices()):
+            return []
+        return self.processes().holders(tokens, owner_of)
+
+    def device_users(
+        self, tokens: Sequence[TokenSpec], owner_of: OwnerOf | None = None
+    ) -> list[DeviceUser]:
+        if not any(device.get("nodes") for device in self._devices()):
+            return []
+        return self.processes().users(tokens, owner_of)
+
+    def device_functions(self, numbers: Sequence[DeviceNumber]) -> dict[DeviceNumber, str]:
+        """The function whose listed node (a character device under DIR/dev) has each
+        number; UNKNOWN_FUNCTION while that function is not on its own driver (on
+        vfio-pci or unbound), as a real GPU's node then answers to no function."""
+        wanted = set(numbers)
+        with self._state() as state:
+            drivers = dict(state["drivers"])
+        found: dict[DeviceNumber, str] = {}
+        for device in self._devices():
+            for node in device.get("nodes", []):
+                number = char_device_number(self._node_path(node))
+                if number is not None and number in wanted:
+                    bound = drivers.get(device["address"]) not in ("", VFIO, None)
+                    found[number] = device["address"] if bound else UNKNOWN_FUNCTION
+        return found
+
+    # -- simulated holders -------------------------------------------------------------
+
+    def simulated_holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
         by_key: dict[str, str] = {}
         for token in tokens:
             by_key[token.name] = token.name
@@ -215,12 +307,33 @@ class SimHost:
     def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         with self._state() as state:
             running, unknown = state["running"], bool(state["unknown_alive"])
-            return {ref: bool(running[ref]) if ref in running else unknown for ref in refs}
+            found = {ref: bool(running[ref]) if ref in running else unknown for ref in refs}
+        if self.drains is not None:
+            drains = self.drains
+            return {ref: drains.is_running(ref, value) for ref, value in found.items()}
+        return found
 
     def stop(self, ref: Claimant) -> None:
+        if self.drains is not None:
+            self.drains.stop(ref, lambda: self._stop(ref))
+        else:
+            self._stop(ref)
+
+    def _stop(self, ref: Claimant) -> None:
         self._set_running(ref, False, "fail_stop", "stop")
 
     def start(self, ref: Claimant) -> None:
+        if self.drains is not None:
+            self.drains.start(ref, lambda: self._start(ref), lambda: self._runs(ref))
+        else:
+            self._start(ref)
+
+    def _runs(self, ref: Claimant) -> bool:
+        with self._state() as state:
+            running, unknown = state["running"], bool(state["unknown_alive"])
+            return bool(running[ref]) if ref in running else unknown
+
+    def _start(self, ref: Claimant) -> None:
         spec = self._spec(ref)
         if spec is not None and spec.get("kind") == "process":
             log.info("%s was a process; there is nothing to start again", ref)

@@ -11,18 +11,21 @@ stopped holders is handed to a detached process, after the lease has turned
 from __future__ import annotations
 
 import logging
-import sys
-from pathlib import Path
 
-from charly_arbiter.compose import HOLDER_KINDS, build_arbiter
+from charly_arbiter.compose import (
+    DETACHED,
+    HOLDER_KINDS,
+    build_arbiter,
+    log_to_file,
+    spawn_finish_release,
+)
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import Claimant, Mode, ProcessRef
+from charly_arbiter.core.model import Claimant, Mode
 from charly_arbiter.core.planner import NO_POLICY, Policy
 from charly_arbiter.errors import ArbiterError
 from charly_arbiter.host.markers import HOOK_DIR, is_acting, marked
-from charly_arbiter.host.run import spawn_detached
 from charly_arbiter.host.sysfs import Roots
 from charly_arbiter.libvirt.domainxml import (
     DomainClaim,
@@ -35,7 +38,7 @@ from charly_arbiter.logsetup import log_setup
 
 log = logging.getLogger(__name__)
 
-DETACHED = "finish-release"  # the detached release's first argument (and its name in ps)
+__all__ = ["DETACHED", "HookRun", "dispatch"]
 
 
 def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
@@ -74,7 +77,7 @@ class HookRun:
     def arbiter(self) -> Arbiter:
         if self._arbiter is None:
             # The libvirt holder source never touches (or enumerates past) this domain.
-            self._arbiter = build_arbiter(self.config, subject=self.guest)
+            self._arbiter = build_arbiter(self.config, subject=self.ref)
         return self._arbiter
 
     def close(self) -> None:
@@ -201,71 +204,3 @@ def preemption_policy(config: Config) -> Policy:
             "the VM again",
         )
     return NO_POLICY
-
-
-def spawn_finish_release(config: Config, ref: str, reason: str, owner: ProcessRef) -> None:
-    """Hand the rest of `release` to a process of its own, with nothing of libvirt's.
-
-    The child gets a fixed environment, so it is pointed at the directory this
-    package was loaded from (an installed package, or a checkout on PYTHONPATH).
-    It takes the releasing lease over from `owner` (this hook), which may have
-    exited by the time it looks.
-    """
-    package_parent = str(Path(__file__).resolve().parent.parent.parent)
-    spawn_detached(
-        [
-            sys.executable,
-            "-c",
-            "import sys; sys.path.insert(0, sys.argv[1]); "
-            "from charly_arbiter.libvirt.hookrun import finish_release; "
-            "sys.exit(finish_release(sys.argv[3:]))",
-            package_parent,
-            DETACHED,
-            str(config.path or "-"),
-            str(config.state_dir),
-            config.host,
-            ref,
-            reason or "-",
-            f"{owner.pid}:{owner.start}",
-        ]
-    )
-
-
-def finish_release(argv: list[str]) -> int:
-    """The detached half of `release`: send home, restore holders, drop the lease."""
-    if len(argv) != 6:
-        print(
-            f"charly-arbiter: usage: {DETACHED} CONFIG STATE_DIR HOST CLAIMANT REASON PID:START",
-            file=sys.stderr,
-        )
-        return 2
-    config_path, state_dir, host, ref, reason, began_by = argv
-    reason = "" if reason == "-" else reason
-    pid, _, start = began_by.partition(":")
-    takeover = ProcessRef(int(pid), int(start or "0"))
-    log_setup(1, stderr=False)  # (its stderr is /dev/null: it runs detached)
-    config = load_config(
-        None if config_path == "-" else Path(config_path), state_dir=Path(state_dir), host=host
-    )
-    log_to_file(config)
-    arbiter = build_arbiter(config)
-    try:
-        arbiter.releaser().finish(ref, reason != "failed", reason, takeover=takeover)
-    finally:
-        arbiter.host.close()
-    return 0
-
-
-def log_to_file(config: Config) -> None:
-    """The steps of every hook call go to `hook_log` when it is set (the system log
-    keeps only the warnings)."""
-    if config.hook_log is None:
-        return
-    handler = logging.FileHandler(config.hook_log)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(process)d %(levelname)s: %(message)s"))
-    handler.setLevel(logging.INFO)
-    root = logging.getLogger("charly_arbiter")
-    for existing in root.handlers:
-        existing.setLevel(logging.WARNING)
-    root.addHandler(handler)
-    root.setLevel(min(root.level or logging.INFO, logging.INFO))

@@ -97,7 +97,7 @@ def test_container_holder_through_its_runtime(fake: tuple[str, Path, Path]) -> N
     source.start("container:llm")
     assert source.is_running("container:llm")
     argvs = calls(log)
-    assert ["container", "inspect", "--format", "{{.State.Running}}", "--", "llm"] in argvs
+    assert ["container", "inspect", "--format", "{{.State.Running}} {{.Id}}", "--", "llm"] in argvs
     assert ["stop", "--time", "5", "--", "llm"] in argvs
     assert ["start", "--", "llm"] in argvs
 

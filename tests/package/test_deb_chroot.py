@@ -23,6 +23,8 @@ HOOK = "/etc/libvirt/hooks/qemu.d/charly-arbiter"
 CONFIG = "/etc/charly-arbiter/arbiter.toml"
 STATE_DIR = "/var/lib/charly-arbiter"
 UNIT = "/lib/systemd/system/charly-arbiter-reconcile.service"
+OCI_HOOK = "/usr/libexec/charly-arbiter/oci-hook"
+OCI_HOOK_JSON = "/usr/share/containers/oci/hooks.d/charly-arbiter.json"
 
 
 def _is_executable_regular_file(jail: Chroot, inside: str) -> bool:
@@ -52,6 +54,18 @@ def test_installs_with_apt_and_runs_on_debian_libraries(chroot: Chroot, deb: Deb
     json.loads(json_text)  # stderr lines come first in the combined output, JSON last
 
     assert _is_executable_regular_file(chroot, HOOK), f"{HOOK} is not an executable regular file"
+    # The OCI hook where Podman and CRI-O find it, pointing at the installed program.
+    hooks_d = json.loads(chroot.path(OCI_HOOK_JSON).read_text())
+    assert hooks_d["hook"]["path"] == OCI_HOOK and hooks_d["when"] == {"always": True}
+    assert _is_executable_regular_file(chroot, OCI_HOOK)
+    assert _is_executable_regular_file(chroot, "/usr/libexec/charly-arbiter/oci-runtime")
+    # As a runtime runs it for a container with no device: its state on stdin, nothing out.
+    bundle = chroot.path("/tmp/bundle")
+    bundle.mkdir()
+    (bundle / "config.json").write_text('{"linux": {"devices": []}}')
+    state = '{"id": "plain", "status": "creating", "pid": 1, "bundle": "/tmp/bundle"}'
+    oci = chroot.run("/bin/sh", "-c", f"echo '{state}' | {OCI_HOOK}")
+    assert oci.stdout == "", oci.stdout
     # As libvirt runs it for a VM with no GPU claim: domain XML on stdin, nothing on stdout.
     domain = "<domain type='kvm'><name>plain</name><devices/></domain>"
     (chroot.path("/tmp/plain.xml")).write_text(domain)

@@ -28,6 +28,7 @@ FEDORA_PATHS = {
     "_bindir": "/usr/bin",
     "_sysconfdir": "/etc",
     "_libexecdir": "/usr/libexec",
+    "_datadir": "/usr/share",
     "_mandir": "/usr/share/man",
     "_sharedstatedir": "/var/lib",
     "_unitdir": "/usr/lib/systemd/system",
@@ -35,7 +36,6 @@ FEDORA_PATHS = {
     "bash_completions_dir": "/usr/share/bash-completion/completions",
     "zsh_completions_dir": "/usr/share/zsh/site-functions",
     "fish_completions_dir": "/usr/share/fish/vendor_completions.d",
-    "_datadir": "/usr/share",
 }
 
 

@@ -10,12 +10,14 @@ the hook's path for a domain with no claim never imports libvirt.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
 from charly_arbiter.core.model import Claimant
 from charly_arbiter.errors import HostError
+from charly_arbiter.host.procscan import cgroup_paths
 
 
 class HolderSource(Protocol):
@@ -33,6 +35,14 @@ class HolderSource(Protocol):
 
     def start(self, ref: Claimant) -> None:
         """Start it again (or do nothing, for what cannot be restarted)."""
+        ...
+
+
+class CgroupOwners(Protocol):
+    """A source whose holders' processes can be told by their cgroup (units, containers)."""
+
+    def cgroup_owner(self, paths: Sequence[str]) -> Claimant | None:
+        """The holder of this kind a process in these cgroups runs in, if any."""
         ...
 
 
@@ -94,6 +104,16 @@ class HolderRegistry:
             raise HostError(f"{ref}: this host has no holders of kind {kind!r}")
         return source
 
+    def cgroup_owner(self, paths: Sequence[str]) -> Claimant | None:
+        """The unit or container these cgroups belong to, among the sources' holders."""
+        for kind in self.kinds:
+            owner = getattr(self.source(kind), "cgroup_owner", None)
+            if owner is not None:
+                found: Claimant | None = owner(paths)
+                if found is not None:
+                    return found
+        return None
+
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
         found: list[Holder] = []
         for kind in self.kinds:
@@ -101,3 +121,16 @@ class HolderRegistry:
             if source is not None:
                 found.extend(source.holders(tokens))
         return found
+
+
+def known_owner(
+    registry: HolderRegistry, proc_root: Path, among: set[Claimant] | None
+) -> Callable[[int], Claimant | None]:
+    """The holder a process runs in, by its cgroup, when it is one of `among`
+    (None: any unit or container the sources know)."""
+
+    def owner(pid: int) -> Claimant | None:
+        found = registry.cgroup_owner(cgroup_paths(proc_root, pid))
+        return found if found is not None and (among is None or found in among) else None
+
+    return owner

@@ -19,6 +19,10 @@ context, and an unbind under it would hang.)
 purpose; it is not stopped for a claim but asked to let go of that one GPU
 (`nvidia-persistence:ADDRESS`, see holders/nvidia.py), and its driver-wide
 nodes do not make it a holder of anything.
+
+A process that runs in a holder the host knows (a listed unit, a container,
+found by its cgroup: `owner_of`) is that holder's, not a holder of its own:
+stopping or draining the holder is what lets go of the node.
 """
 
 from __future__ import annotations
@@ -31,13 +35,30 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from charly_arbiter.core.config import Config
-from charly_arbiter.core.host import Holder, TokenSpec
+from charly_arbiter.core.host import DeviceUser, Holder, TokenSpec
 from charly_arbiter.core.model import Claimant
 from charly_arbiter.errors import HolderError
 from charly_arbiter.host.holders.nvidia import persistence_ref
 from charly_arbiter.host.pcidata import driver_nodes, function_nodes
-from charly_arbiter.host.procscan import alive, command_name, program_name, scan
+from charly_arbiter.host.procscan import (
+    DeviceNumber,
+    alive,
+    char_device_number,
+    command_name,
+    program_name,
+    scan,
+)
 from charly_arbiter.host.sysfs import DEV_ROOT, PROC_ROOT, Sysfs
+
+# A token's own device nodes now: node path -> the token's name.
+NodeSource = Callable[[Sequence[TokenSpec]], dict[str, str]]
+# The holder a process runs in (by its cgroup), where the host knows one.
+OwnerOf = Callable[[int], Claimant | None]
+# address -> the pids NVML lists with a context on that GPU; None where NVML is
+# not usable (no driver, no library).
+NvmlProcesses = Callable[[], Mapping[str, frozenset[int]] | None]
+# pid -> token -> the nodes (or NVML contexts) by which it holds that token
+Held = dict[int, dict[str, set[str]]]
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +66,6 @@ PERSISTENCED = "nvidia-persistenced"
 NVIDIA = "nvidia"
 _KILL_WAIT = 5.0
 _POLL = 0.05
-
-# address -> the pids NVML lists with a context on that GPU; None where NVML is
-# not usable (no driver, no library).
-NvmlProcesses = Callable[[], Mapping[str, frozenset[int]] | None]
 
 
 class ProcessHolders:
@@ -60,37 +77,54 @@ class ProcessHolders:
         sysfs: Sysfs | None = None,
         proc_root: Path = PROC_ROOT,
         dev_root: Path = DEV_ROOT,
+        nodes: NodeSource | None = None,
         nvml_processes: NvmlProcesses = lambda: None,
     ) -> None:
+        """`nodes` says which nodes each token has (default: from sysfs under `dev_root`;
+        the simulated host lists its own)."""
         self.config = config
         self.sysfs = sysfs or Sysfs()
         self.proc_root = proc_root
         self.dev_root = dev_root
+        self.nodes = nodes or self._sysfs_nodes
+        # The driver's own nodes are this machine's /dev: not for a host that lists its own.
+        self.driver_wide = nodes is None
         self.nvml_processes = nvml_processes
 
-    def _nodes(self, tokens: Sequence[TokenSpec]) -> tuple[dict[str, str], dict[str, set[str]]]:
-        """(a function's own node -> its token, a driver-wide node -> the tokens with a
-        function bound to that driver)."""
-        own: dict[str, str] = {}
-        shared: dict[str, set[str]] = {}
+    def _sysfs_nodes(self, tokens: Sequence[TokenSpec]) -> dict[str, str]:
+        node_token: dict[str, str] = {}
         for token in tokens:
             for function in token.functions:
                 if not self.sysfs.exists(function.address):
                     continue
                 fresh = self.sysfs.function(function.address)
                 for node in function_nodes(self.sysfs, self.dev_root, self.proc_root, fresh):
-                    own[node] = token.name
-                if fresh.driver == NVIDIA:
-                    for node in driver_nodes(self.dev_root, NVIDIA):
-                        shared.setdefault(node, set()).add(token.name)
-        return own, shared
+                    node_token[node] = token.name
+        return node_token
 
-    def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
-        own, shared = self._nodes(tokens)
-        held: dict[int, dict[str, set[str]]] = {}  # pid -> token -> nodes
+    def _driver_wide(self, tokens: Sequence[TokenSpec]) -> dict[str, set[str]]:
+        """NVIDIA's driver-wide nodes -> the tokens with a function on nvidia now."""
+        on_nvidia = [
+            token.name for token in tokens if any(f.driver == NVIDIA for f in token.functions)
+        ]
+        if not on_nvidia or not self.driver_wide:
+            return {}
+        return {node: set(on_nvidia) for node in driver_nodes(self.dev_root, NVIDIA)}
+
+    def _held(self, tokens: Sequence[TokenSpec]) -> Held:
+        """Who holds which token, by which nodes: the scan (by path, or, as a container
+        sees it, by device number), then what NVML says."""
+        own = self.nodes(tokens)
+        shared = self._driver_wide(tokens)
+        numbers: dict[DeviceNumber, str] = {}
+        for node in (*own, *shared):
+            number = char_device_number(Path(node))
+            if number is not None:
+                numbers[number] = node
+        held: Held = {}
         ours = {os.getpid()}
-        for opened in scan(self.proc_root, {*own, *shared}, exclude=ours):
-            names = {own[opened.node]} if opened.node in own else set(shared[opened.node])
+        for opened in scan(self.proc_root, {*own, *shared}, exclude=ours, numbers=numbers):
+            names = {own[opened.node]} if opened.node in own else shared[opened.node]
             for name in names:
                 held.setdefault(opened.pid, {}).setdefault(name, set()).add(opened.node)
         gpus = {  # token -> its functions' addresses that are on nvidia
@@ -99,81 +133,53 @@ class ProcessHolders:
         }
         nvml = self.nvml_processes() if any(gpus.values()) else None
         if nvml is not None:
-            self._apply_nvml(held, own, gpus, nvml, ours)
+            _apply_nvml(held, set(own), gpus, nvml, ours, self.proc_root)
+        return held
+
+    def users(
+        self, tokens: Sequence[TokenSpec], owner_of: OwnerOf | None = None
+    ) -> list[DeviceUser]:
+        """Every process holding one of the tokens' nodes, with the holder it runs in."""
+        return [
+            DeviceUser(
+                pid,
+                command_name(self.proc_root, pid),
+                node,
+                token,
+                owner_of(pid) if owner_of else None,
+            )
+            for pid, by_token in sorted(self._held(tokens).items())
+            for token, nodes in sorted(by_token.items())
+            for node in sorted(nodes)
+        ]
+
+    def holders(self, tokens: Sequence[TokenSpec], owner_of: OwnerOf | None = None) -> list[Holder]:
+        """The processes holding the tokens' nodes that run in no holder `owner_of` knows."""
+        own = set(self.nodes(tokens))
+        gpus = {
+            token.name: {f.address for f in token.functions if f.driver == NVIDIA}
+            for token in tokens
+        }
         found: list[Holder] = []
-        for pid, by_token in sorted(held.items()):
+        for pid, by_token in sorted(self._held(tokens).items()):
+            if owner_of is not None and owner_of(pid) is not None:
+                continue
             if program_name(self.proc_root, pid) == PERSISTENCED:
-                found.extend(self._persistence(pid, by_token, own, gpus))
+                found.extend(_persistence(pid, by_token, own, gpus))
                 continue
             nodes = ", ".join(sorted({node for n in by_token.values() for node in n}))
             comm = command_name(self.proc_root, pid)
-            terminate = self.config.process_policy == "terminate"
             found.append(
                 Holder(
                     ref=Claimant.of("process", str(pid)),
                     tokens=tuple(sorted(by_token)),
-                    preemptible=terminate,
+                    preemptible=self.config.process_policy == "terminate",
                     running=True,
                     how=f"SIGTERM, SIGKILL after {self.config.timeouts.holder_stop:g} s",
                     detail=f"pid {pid} {comm} has {nodes} open",
                     restartable=False,
                 )
             )
-        return found
-
-    def _apply_nvml(
-        self,
-        held: dict[int, dict[str, set[str]]],
-        own: Mapping[str, str],
-        gpus: Mapping[str, set[str]],
-        nvml: Mapping[str, frozenset[int]],
-        ours: set[int],
-    ) -> None:
-        """Drop the driver-wide holding of a process NVML places on other GPUs only, and
-        add every process NVML lists on a claimed GPU (in place)."""
-        where: dict[int, set[str]] = {}
-        for address, pids in nvml.items():
-            for pid in pids:
-                where.setdefault(pid, set()).add(address)
-        for pid, by_token in held.items():
-            if pid not in where:
-                continue
-            for name in list(by_token):
-                only_shared = all(node not in own for node in by_token[name])
-                if only_shared and not where[pid] & gpus[name]:
-                    del by_token[name]
-        for name, addresses in gpus.items():
-            for address in sorted(addresses):
-                for pid in sorted(nvml.get(address, ())):
-                    if pid not in ours and alive(self.proc_root, pid):
-                        label = f"a context on {address} (NVML)"
-                        held.setdefault(pid, {}).setdefault(name, set()).add(label)
-        for pid in [pid for pid, by_token in held.items() if not by_token]:
-            del held[pid]
-
-    def _persistence(
-        self,
-        pid: int,
-        by_token: Mapping[str, set[str]],
-        own: Mapping[str, str],
-        gpus: Mapping[str, set[str]],
-    ) -> list[Holder]:
-        """nvidia-persistenced as a holder of the GPUs whose own node it has open."""
-        found = []
-        for name, nodes in sorted(by_token.items()):
-            if not any(node in own for node in nodes):
-                continue  # its driver-wide nodes hold no GPU
-            for address in sorted(gpus.get(name, ())):
-                found.append(
-                    Holder(
-                        ref=persistence_ref(address),
-                        tokens=(name,),
-                        preemptible=True,
-                        running=True,
-                        how="persistence mode off for this GPU (back on afterwards)",
-                        detail=f"pid {pid} {PERSISTENCED} has {', '.join(sorted(nodes))} open",
-                    )
-                )
         return found
 
     def is_running(self, ref: Claimant) -> bool:
@@ -220,3 +226,56 @@ def _pid(ref: str) -> int:
     if claimant.kind != "process":
         raise HolderError(ref, "find", "not a process:PID holder")
     return int(claimant.name)  # a process claimant's name is digits (Claimant.parse)
+
+
+def _apply_nvml(
+    held: Held,
+    own: set[str],
+    gpus: Mapping[str, set[str]],
+    nvml: Mapping[str, frozenset[int]],
+    ours: set[int],
+    proc_root: Path,
+) -> None:
+    """Drop the driver-wide holding of a process NVML places on other GPUs only, and
+    add every process NVML lists on a claimed GPU (in place)."""
+    where: dict[int, set[str]] = {}
+    for address, pids in nvml.items():
+        for pid in pids:
+            where.setdefault(pid, set()).add(address)
+    for pid, by_token in held.items():
+        if pid not in where:
+            continue
+        for name in list(by_token):
+            only_shared = all(node not in own for node in by_token[name])
+            if only_shared and not where[pid] & gpus[name]:
+                del by_token[name]
+    for name, addresses in gpus.items():
+        for address in sorted(addresses):
+            for pid in sorted(nvml.get(address, ())):
+                if pid not in ours and alive(proc_root, pid):
+                    label = f"a context on {address} (NVML)"
+                    held.setdefault(pid, {}).setdefault(name, set()).add(label)
+    for pid in [pid for pid, by_token in held.items() if not by_token]:
+        del held[pid]
+
+
+def _persistence(
+    pid: int, by_token: Mapping[str, set[str]], own: set[str], gpus: Mapping[str, set[str]]
+) -> list[Holder]:
+    """nvidia-persistenced as a holder of the GPUs whose own node it has open."""
+    found = []
+    for name, nodes in sorted(by_token.items()):
+        if not any(node in own for node in nodes):
+            continue  # its driver-wide nodes hold no GPU
+        for address in sorted(gpus.get(name, ())):
+            found.append(
+                Holder(
+                    ref=persistence_ref(address),
+                    tokens=(name,),
+                    preemptible=True,
+                    running=True,
+                    how="persistence mode off for this GPU (back on afterwards)",
+                    detail=f"pid {pid} {PERSISTENCED} has {', '.join(sorted(nodes))} open",
+                )
+            )
+    return found

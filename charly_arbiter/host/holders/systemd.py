@@ -2,8 +2,10 @@
 
 A unit cannot be discovered as a GPU user by itself (its processes can, by
 the process holder scan), so the operator lists the ones the arbiter may
-stop: `[[holders]] kind = "systemd"`.  `systemctl` is run by absolute path,
-with `--` before the unit name.
+stop: `[[holders]] kind = "systemd"`, or `charly-arbiter attach`.  A process
+in a listed unit's cgroup is that unit's: the scan does not report it as a
+holder of its own.  `systemctl` is run by absolute path, with `--` before the
+unit name.
 """
 
 from __future__ import annotations
@@ -29,7 +31,21 @@ class SystemdHolders:
         self.listed = [h for h in config.holders if h.ref.startswith(f"{KIND}:")]
 
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
-        return listed_holders(self.listed, tokens, self.is_running, lambda entry: "systemctl stop")
+        return listed_holders(
+            self.listed,
+            tokens,
+            self.is_running,
+            lambda entry: "drain" if entry.drains_only else "systemctl stop",
+        )
+
+    def cgroup_owner(self, paths: Sequence[str]) -> Claimant | None:
+        """The listed unit a cgroup path runs under (`/system.slice/ollama.service/…`)."""
+        units = {entry.ref.name: entry.ref for entry in self.listed}
+        for path in paths:
+            for part in reversed(path.split("/")):
+                if part in units:
+                    return units[part]
+        return None
 
     def is_running(self, ref: Claimant) -> bool:
         result = run.run(

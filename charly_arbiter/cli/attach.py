@@ -1,0 +1,148 @@
+"""`attach` and `detach`: a systemd service that claims its GPUs by itself.
+
+`attach` writes the unit's drop-in (host/units.py) and records the unit as a
+holder in attached.d/ beside arbiter.toml, so that an exclusive claim can stop
+it (or, `--no-preemptible`, is refused by it) and start it again; `detach`
+removes both.  The drop-in runs this very program with the options this
+command was given, so the unit's claim lands in the same ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from charly_arbiter.cli.app import App
+from charly_arbiter.core.config import (
+    ENV_CONFIG,
+    ENV_HOST,
+    ENV_STATE_DIR,
+    HolderConfig,
+    attached_text,
+)
+from charly_arbiter.core.model import Claimant
+from charly_arbiter.errors import ArbiterError
+from charly_arbiter.host import units
+
+KIND = "systemd"
+UNIT_DIR_HELP = "Where systemd reads drop-ins (default /etc/systemd/system)."
+
+
+@click.command()
+@click.option("--shared", "mode", flag_value="shared", default=True, help="Claim shared (default).")
+@click.option("--exclusive", "mode", flag_value="exclusive", help="Claim exclusively (vfio-pci).")
+@click.option(
+    "--preemptible/--no-preemptible",
+    default=True,
+    show_default=True,
+    help="Whether an exclusive claim may stop the unit (and start it again afterwards).",
+)
+@click.option("--unit-dir", type=click.Path(path_type=Path, file_okay=False), help=UNIT_DIR_HELP)
+@click.argument("unit")
+@click.argument("tokens", nargs=-1, required=True)
+@click.pass_obj
+def attach(
+    app: App, mode: str, preemptible: bool, unit_dir: Path | None, unit: str, tokens: tuple[str]
+) -> None:
+    """Make systemd:UNIT claim TOKENS when it starts and release them when it stops."""
+    ref = _unit_ref(unit)
+    config = app.config()
+    listed = config.holder(ref)
+    if listed is not None and listed.attached is None:
+        raise ArbiterError(
+            f"{ref} is listed in {config.path} already",
+            hint="remove its [[holders]] table there first, or leave it as it is",
+        )
+    names = [spec.name for spec in app.arbiter().tokens.resolve(list(tokens))]
+    dropin = units.dropin_path(unit_dir or units.UNIT_DIR, ref.name)
+    program = [*_program(), *_options(app)]
+    units.write_file(
+        dropin,
+        units.dropin_text(
+            ref,
+            [*program, "acquire", f"--{mode}", "--", ref, *names],
+            [*program, "release", "--force", "--", ref],
+        ),
+    )
+    record = config.attached_dir / f"{ref.name}.toml"
+    holder = HolderConfig(
+        ref, tuple(names), preemptible=preemptible, mode=mode, dropin=dropin, attached=record
+    )
+    try:
+        units.write_file(record, attached_text(holder))
+    except OSError:
+        units.remove_file(dropin)
+        raise
+    click.echo(f"attached {ref} to {', '.join(names)} ({mode}): {dropin}")
+    _reload()
+
+
+@click.command()
+@click.option("--force", is_flag=True, help="Detach even though the unit holds a lease now.")
+@click.argument("unit")
+@click.pass_obj
+def detach(app: App, force: bool, unit: str) -> None:
+    """Remove what `attach` wrote for systemd:UNIT (its drop-in and its holder record)."""
+    ref = _unit_ref(unit)
+    config = app.config()
+    holder = config.holder(ref)
+    if holder is None or holder.attached is None:
+        click.echo(f"{ref} is not attached")
+        return
+    lease = app.ledger().read().lease_of(ref)
+    if lease is not None and not force:
+        raise ArbiterError(
+            f"{ref} holds a {lease.mode} lease on {', '.join(lease.tokens)}; without its "
+            "drop-in nothing would release it",
+            hint=f"stop {ref} first (its ExecStopPost releases the GPU), or add --force",
+        )
+    if holder.dropin is not None:
+        units.remove_file(holder.dropin)
+    units.remove_file(holder.attached)
+    click.echo(f"detached {ref}")
+    _reload()
+
+
+def _unit_ref(unit: str) -> Claimant:
+    ref = Claimant.parse(unit if ":" in unit else f"{KIND}:{unit}")
+    if ref.kind != KIND:
+        raise click.UsageError(f"{unit}: only systemd units attach (systemd:NAME.service)")
+    units.check_unit(ref.name)
+    return ref
+
+
+def _program() -> list[str]:
+    """How the unit runs this program: the launcher it was started as, or this
+    interpreter with the package (a checkout, a virtual environment)."""
+    launcher = sys.argv[0]
+    if os.path.isabs(launcher) and os.path.basename(launcher) == "charly-arbiter":
+        return [launcher]
+    return [sys.executable, "-m", "charly_arbiter"]
+
+
+def _options(app: App) -> list[str]:
+    """The global options that made this command's configuration (systemd's
+    environment has none of ours)."""
+    found = []
+    for option, given, variable in (
+        ("--config", app.config_path, ENV_CONFIG),
+        ("--state-dir", app.state_dir, ENV_STATE_DIR),
+        ("--host", app.host_spec, ENV_HOST),
+    ):
+        value = str(given or os.environ.get(variable) or "")
+        if value.startswith("sim:"):
+            value = "sim:" + os.path.abspath(value.removeprefix("sim:"))
+        elif value and option != "--host":
+            value = os.path.abspath(value)
+        if value:
+            found += [option, value]
+    return found
+
+
+def _reload() -> None:
+    why = units.daemon_reload()
+    if why is not None:
+        click.echo(f"systemd was not reloaded ({why}): run `systemctl daemon-reload`", err=True)

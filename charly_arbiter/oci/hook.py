@@ -1,0 +1,223 @@
+"""`charly-arbiter hook oci [STAGE] [--engine=NAME]`: what a container runtime's OCI hook runs.
+
+The runtime runs it for every container it creates and stops (hooks.d's
+`charly-arbiter.json`, `when: always`), so the path for a container that
+cannot use a GPU imports `json` and nothing of the arbiter: hooks/oci-hook has
+already let through only containers whose spec mentions a character device
+or a CDI device; this parses the state and the spec and looks at each
+character device in sysfs (`/sys/dev/char/MAJOR:MINOR`) and /proc/devices, so
+that a container given /dev/fuse or /dev/net/tun is let go before the
+configuration, the ledger or the host are loaded.  Everything after that is
+`hookrun`, imported here and only here.
+
+The stage comes from the state's status (`creating`: the prestart hook, a
+claim; `stopped`: poststop, a release) unless an argument names it.
+
+Contract (docs/containers.md): nothing on stdout; a claim that is refused
+exits non-zero with one or two sentences on stderr, which the runtime shows as
+the reason the container did not start; a release always exits 0 and never
+waits for the holders it brings back.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+MAX_STATE = 1 << 20
+MAX_SPEC = 16 << 20  # spec.MAX_SPEC, not imported: the fast path stays light
+STAGES = {"prestart": "claim", "createRuntime": "claim", "poststop": "release"}
+STATUSES = {"creating": "claim", "created": "claim", "stopped": "release"}
+CDI_PREFIX = "cdi.k8s.io/"
+GPU_MAJOR_NAMES = ("drm", "nvidia", "nvidia-frontend")  # host/devnodes.GPU_MAJORS
+# Where the fast path looks (the only roots it knows; the slow path has Roots).
+SYS_ROOT = "/sys"
+PROC_ROOT = "/proc"
+CONFIG = "/etc/charly-arbiter/arbiter.toml"  # core/config.DEFAULT_CONFIG, without importing it
+USAGE = "usage: charly-arbiter hook oci [prestart|createRuntime|poststop] [--engine=NAME]"
+
+
+def main(argv: list[str]) -> int:
+    stage, engine = None, None
+    for argument in argv:
+        if argument.startswith("--engine="):
+            engine = argument.partition("=")[2] or None
+        elif argument in STAGES:
+            stage = STAGES[argument]
+        elif argument not in ("oci-hook", "charly-arbiter"):
+            print(f"charly-arbiter: {USAGE}", file=sys.stderr)
+            return 2
+    stdout_to_stderr()
+    stages = [stage]  # what _dispatch learns from the state, for the boundary below
+    try:
+        return _dispatch(stages, engine)
+    except Exception as error:  # the boundary: one sentence, and the right exit code
+        from charly_arbiter.errors import ArbiterError
+
+        code = 1
+        if isinstance(error, ArbiterError):
+            say(str(error), error.hint)
+            code = error.exit_code
+        else:
+            if os.environ.get("CHARLY_ARBITER_DEBUG"):
+                import traceback
+
+                traceback.print_exc()
+            say(f"internal error in the OCI hook: {error!r}", None)
+        return 0 if stages[-1] == "release" else code
+
+
+def _dispatch(stages: list[str | None], engine: str | None) -> int:
+    import json
+
+    raw = sys.stdin.buffer.read(MAX_STATE + 1)
+    if len(raw) > MAX_STATE:
+        raise ValueError(f"the container state is larger than {MAX_STATE >> 20} MiB")
+    state = json.loads(raw)
+    if not isinstance(state, dict):
+        raise ValueError("the container state is not a JSON object")
+    stage = stages[0] or STATUSES.get(str(state.get("status")))
+    stages.append(stage)
+    if stage is None:
+        return 0  # a stage the arbiter has nothing to do in
+    spec = _read_spec(state.get("bundle"))
+    if spec is not None and not may_claim(spec, state):
+        return 0  # the fast path: no GPU device, no CDI device
+    from charly_arbiter.oci import hookrun
+
+    return hookrun.dispatch(stage, state, spec, engine)
+
+
+def _read_spec(bundle: object) -> object:
+    if not isinstance(bundle, str) or not bundle.startswith("/"):
+        return None
+    import json
+
+    try:
+        with open(os.path.join(bundle, "config.json"), "rb") as handle:
+            data = handle.read(MAX_SPEC + 1)
+    except OSError:
+        return None  # gone before poststop: the ledger decides
+    if len(data) > MAX_SPEC:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None
+
+
+def may_claim(
+    spec: object, state: object, sys_root: str = SYS_ROOT, config: str | None = None
+) -> bool:
+    """Whether the container may be given a GPU; False only when sure it is not.
+
+    Sure means: no CDI device in its annotations, and each character device is
+    neither under a PCI function in sysfs nor a node of a GPU driver's major,
+    and the host is not simulated (its GPUs' nodes are not in sysfs).
+    """
+    for document in (spec, state):
+        annotations = document.get("annotations") if isinstance(document, dict) else None
+        if isinstance(annotations, dict) and any(
+            str(key).startswith(CDI_PREFIX) for key in annotations
+        ):
+            return True
+    numbers = _char_devices(spec)
+    if not numbers:
+        return False
+    if _simulated(config):
+        return True
+    majors = None
+    for major, minor in numbers:
+        if _under_pci(f"{sys_root}/dev/char/{major}:{minor}"):
+            return True
+        if majors is None:
+            majors = _gpu_majors()
+        if major in majors:
+            return True
+    return False
+
+
+def _char_devices(spec: object) -> list[tuple[int, int]]:
+    linux = spec.get("linux") if isinstance(spec, dict) else None
+    entries = linux.get("devices") if isinstance(linux, dict) else None
+    found = []
+    for entry in entries if isinstance(entries, list) else []:
+        if isinstance(entry, dict) and entry.get("type") == "c":
+            major, minor = entry.get("major"), entry.get("minor")
+            if isinstance(major, int) and isinstance(minor, int):
+                found.append((major, minor))
+    return found
+
+
+def _under_pci(link: str) -> bool:
+    try:
+        target = os.path.realpath(link, strict=True)
+    except OSError:
+        return False
+    return any(_is_pci_address(part) for part in target.split("/"))
+
+
+def _is_pci_address(part: str) -> bool:
+    """`0000:0a:00.0` (the domain may be longer), without importing re."""
+    domain, _, rest = part.partition(":")
+    bus, _, rest = rest.partition(":")
+    slot, _, function = rest.partition(".")
+    hexdigits = "0123456789abcdef"
+    return (
+        len(domain) >= 4
+        and len(bus) == 2
+        and len(slot) == 2
+        and len(function) == 1
+        and all(c in hexdigits for c in domain + bus + slot)
+        and function in "01234567"
+    )
+
+
+def _gpu_majors() -> set[int]:
+    try:
+        with open(f"{PROC_ROOT}/devices") as handle:
+            text = handle.read()
+    except OSError:
+        return set()
+    majors = set()
+    for line in text.partition("Block devices:")[0].splitlines():
+        number, _, name = line.strip().partition(" ")
+        if number.isdigit() and name.strip() in GPU_MAJOR_NAMES:
+            majors.add(int(number))
+    return majors
+
+
+def _simulated(config: str | None) -> bool:
+    """Whether the configured host is simulated (`sim:DIR`): its nodes are its own files."""
+    if os.environ.get("CHARLY_ARBITER_HOST", "").startswith("sim:"):
+        return True
+    path = config or os.environ.get("CHARLY_ARBITER_CONFIG") or CONFIG
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return any(line.lstrip().startswith(b"host") and b'"sim:' in line for line in text.splitlines())
+
+
+def stdout_to_stderr() -> None:
+    """Nothing this process (or a child) writes can reach the runtime's stdout."""
+    try:
+        os.dup2(2, 1)
+    except OSError:
+        os.close(1)
+    sys.stdout = sys.stderr
+
+
+def say(message: str, hint: str | None) -> None:
+    """One or two sentences on stderr: the runtime shows them as the failed start's cause."""
+    text = f"charly-arbiter: {_sentence(message)}"
+    if hint:
+        text += f" Hint: {_sentence(hint)}"
+    print(text, file=sys.stderr)
+
+
+def _sentence(text: str) -> str:
+    return text if text.endswith((".", "!", "?")) else f"{text}."

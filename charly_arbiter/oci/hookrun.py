@@ -1,0 +1,186 @@
+"""The OCI hook's slow path: a container that may be given a GPU.
+
+At creation (prestart) the container's devices are mapped to tokens: each
+character device by its number (`Host.device_functions`: a DRM node or an
+NVIDIA node of a token's function), each CDI device name by the tokens that
+list it (`cdi_devices` in arbiter.toml).  The container then takes a shared
+claim as `container:NAME`; a refusal fails its start with the arbiter's
+reason.  A GPU driver's node whose function the host cannot name now (its
+GPU is on vfio-pci) claims every token away from its driver.  On
+success a claim record (host/holders/container) makes the container a holder
+the arbiter can find, stop and start again.
+
+At stop (poststop) its claim is released: at once when that brings nothing
+back, otherwise by a detached process (the stop never waits for holders),
+after the lease has turned `releasing`.  A container the arbiter itself is
+stopping or starting (a marker says so) is nested: its hook stops nothing
+and its claim record stays, since the arbiter will start it again.
+
+While the hook runs, a marker says so: the runtime holds the container locked
+(Podman does), so no arbiter process asks the runtime about it meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from charly_arbiter.compose import HOLDER_KINDS, build_arbiter, log_to_file, spawn_finish_release
+from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.config import load_config
+from charly_arbiter.core.host import UNKNOWN_FUNCTION
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import VFIO, Mode
+from charly_arbiter.core.planner import NO_POLICY, Policy
+from charly_arbiter.errors import ClaimRefused
+from charly_arbiter.host.holders.container import ClaimRecord, forget_record, write_record
+from charly_arbiter.host.markers import HOOK_DIR, is_acting, marked
+from charly_arbiter.host.procscan import process_ref
+from charly_arbiter.host.sysfs import PROC_ROOT
+from charly_arbiter.logsetup import log_setup
+from charly_arbiter.oci.spec import ContainerFacts, Device, read_facts
+
+log = logging.getLogger(__name__)
+
+
+def dispatch(stage: str, state: Any, spec: Any, engine: str | None) -> int:
+    """One claim ("claim") or release ("release") for a container that may use a GPU
+    (`spec` is None when its config.json could not be read: the ledger decides)."""
+    log_setup(0, stderr=False)
+    facts = read_facts(state, spec, engine)
+    run = HookRun(facts)
+    with marked(run.config.state_dir, HOOK_DIR, str(facts.ref)):
+        try:
+            if stage == "release":
+                return run.release()
+            if spec is None:
+                raise ClaimRefused(
+                    "its GPUs",
+                    facts.ref,
+                    f"the spec of container {facts.id} ({facts.bundle}/config.json) "
+                    "cannot be read, so its devices are unknown",
+                )
+            return run.claim()
+        finally:
+            run.close()
+
+
+class HookRun:
+    def __init__(self, facts: ContainerFacts) -> None:
+        self.facts = facts
+        self.ref = facts.ref
+        self.config = load_config()
+        log_to_file(self.config)
+        self._arbiter: Arbiter | None = None
+
+    def arbiter(self) -> Arbiter:
+        if self._arbiter is None:
+            # The container source never asks the runtime about this container.
+            self._arbiter = build_arbiter(self.config, subject=self.ref)
+        return self._arbiter
+
+    def close(self) -> None:
+        if self._arbiter is not None:
+            self._arbiter.host.close()
+
+    def nested(self) -> bool:
+        """Whether the arbiter itself is stopping or starting this container now."""
+        return is_acting(self.config.state_dir, self.ref)
+
+    # -- creation ------------------------------------------------------------------
+
+    def claim(self) -> int:
+        tokens = self.tokens()
+        if not tokens:
+            log.info("%s: none of its devices is a token's GPU", self.ref)
+            return 0
+        arbiter = self.arbiter()
+        plan = arbiter.acquire(self.ref, Mode.SHARED, tokens, policy=self.policy())
+        process = process_ref(PROC_ROOT, self.facts.pid)
+        write_record(
+            self.config.state_dir,
+            ClaimRecord(
+                name=self.facts.name,
+                id=self.facts.id,
+                tokens=plan.tokens,
+                runtime=self.facts.runtime,
+                pid=process.pid if process else self.facts.pid,
+                start=process.start if process else 0,
+                preemptible=self.facts.preemptible,
+            ),
+        )
+        stopped = ", ".join(step.holder for step in plan.stops)
+        log.info(
+            "%s holds %s (shared)%s",
+            self.ref,
+            ", ".join(plan.tokens),
+            f"; stopped {stopped}" if stopped else "",
+        )
+        return 0
+
+    def tokens(self) -> list[str]:
+        """The tokens the container's devices belong to (its nodes, its CDI names).
+
+        A GPU node no function answers to now may be the node of any token that
+        is away from its driver (on vfio-pci for a VM): the claim then takes
+        those tokens too, so that it is refused for the reason they are away,
+        or brings them home when nothing holds them.
+        """
+        arbiter = self.arbiter()
+        numbers = [device.number for device in self.facts.devices]
+        functions = arbiter.host.device_functions(numbers) if numbers else {}
+        names: list[str] = []
+        unknown: list[Device] = []
+        for device in self.facts.devices:
+            address = functions.get(device.number)
+            if address is None:
+                continue  # not a GPU's node
+            if address == UNKNOWN_FUNCTION:
+                unknown.append(device)
+                continue
+            token = arbiter.tokens.token_for_address(address)
+            if token is not None:
+                names.append(token)
+        for name in self.facts.cdi_devices:
+            names += [t.name for t in self.config.tokens if name in t.cdi_devices]
+        if unknown:
+            nodes = ", ".join(str(device) for device in unknown)
+            away = [
+                spec.name
+                for spec in arbiter.tokens.all().values()
+                if any(function.driver in (None, VFIO) for function in spec.functions)
+            ]
+            if away:
+                log.info("%s: %s may be a node of %s", self.ref, nodes, ", ".join(away))
+            else:
+                log.info("%s: %s is no token's: every token is on its driver", self.ref, nodes)
+            names += away
+        return list(dict.fromkeys(names))
+
+    def policy(self) -> Policy:
+        if self.nested():
+            return Policy(
+                refuse_kinds=frozenset(HOLDER_KINDS),
+                refuse_hint="{claimant} was started by the arbiter itself, which never "
+                "stops {holder} from a nested hook; stop {holder} first",
+            )
+        return NO_POLICY
+
+    # -- stop ------------------------------------------------------------------------
+
+    def release(self) -> int:
+        nested = self.nested()
+        if not nested:
+            forget_record(self.config.state_dir, self.facts.id)
+        lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
+        log.info("%s stopped%s", self.ref, " by the arbiter" if nested else "")
+        if lease is None:
+            return 0  # a refused start, or a holder whose lease moved: nothing is ours
+        arbiter = self.arbiter()
+        if lease.unrestored() and not nested:
+            if arbiter.releaser().begin(self.ref, True, "stopped"):
+                spawn_finish_release(self.config, self.ref, "stopped", arbiter.owner)
+            return 0
+        # The runtime says the container has stopped: no need to ask whether it runs.
+        arbiter.release_claimant(self.ref, success=True, reason="stopped", force=True)
+        return 0
