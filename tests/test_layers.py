@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "charly_arbiter"
-BOTTOM = {"errors", "logsetup", "root"}
+BOTTOM = {"errors", "logsetup", "hookio", "root"}
 ALLOWED = {
     "core": {"core", *BOTTOM},
     "host": {"core", "host", *BOTTOM},
@@ -26,6 +26,7 @@ ALLOWED = {
     "main": {"cli", *BOTTOM},
     "errors": {"errors"},
     "logsetup": {"logsetup"},
+    "hookio": {"hookio"},
     "root": set(),
 }
 

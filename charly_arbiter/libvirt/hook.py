@@ -20,6 +20,8 @@ from __future__ import annotations
 import os
 import sys
 
+from charly_arbiter.hookio import say, stdout_to_stderr
+
 HANDLED = {"prepare": "begin", "release": "end", "reconnect": "begin", "migrate": "begin"}
 ALWAYS_SUCCEED = ("release", "reconnect")
 # Above libvirt's own 10 MiB: a domain whose XML is larger is refused at prepare
@@ -183,24 +185,3 @@ def _read_stdin() -> bytes:
         return sys.stdin.buffer.read(MAX_XML + 1)
     except (OSError, ValueError, AttributeError):
         return b""
-
-
-def stdout_to_stderr() -> None:
-    """Nothing this process (or a child) writes can reach libvirt's stdout pipe."""
-    try:
-        os.dup2(2, 1)
-    except OSError:
-        os.close(1)
-    sys.stdout = sys.stderr
-
-
-def say(message: str, hint: str | None) -> None:
-    """One or two sentences on stderr; names in them (`libvirt:../../x`) stay as they are."""
-    text = f"charly-arbiter: {_sentence(message)}"
-    if hint:
-        text += f" Hint: {_sentence(hint)}"
-    print(text, file=sys.stderr)
-
-
-def _sentence(text: str) -> str:
-    return text if text.endswith((".", "!", "?")) else f"{text}."

@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import sys
 
+from charly_arbiter.hookio import say, stdout_to_stderr
+
 MAX_STATE = 1 << 20
 MAX_SPEC = 16 << 20  # spec.MAX_SPEC, not imported: the fast path stays light
 STAGES = {"prestart": "claim", "createRuntime": "claim", "poststop": "release"}
@@ -200,24 +202,3 @@ def _simulated(config: str | None) -> bool:
     except OSError:
         return True
     return any(line.lstrip().startswith(b"host") and b'"sim:' in line for line in text.splitlines())
-
-
-def stdout_to_stderr() -> None:
-    """Nothing this process (or a child) writes can reach the runtime's stdout."""
-    try:
-        os.dup2(2, 1)
-    except OSError:
-        os.close(1)
-    sys.stdout = sys.stderr
-
-
-def say(message: str, hint: str | None) -> None:
-    """One or two sentences on stderr: the runtime shows them as the failed start's cause."""
-    text = f"charly-arbiter: {_sentence(message)}"
-    if hint:
-        text += f" Hint: {_sentence(hint)}"
-    print(text, file=sys.stderr)
-
-
-def _sentence(text: str) -> str:
-    return text if text.endswith((".", "!", "?")) else f"{text}."

@@ -267,5 +267,6 @@ def test_a_nic_hostdev_is_let_go_without_the_configuration_the_ledger_or_typing(
         if m.startswith("charly_arbiter.")
         and m != "charly_arbiter.libvirt.hook"
         and m != "charly_arbiter.libvirt"
+        and m != "charly_arbiter.hookio"  # what a hook says: os and sys only
     }
     assert not {"typing", "re", "logging", "click", "tomlkit"} & modules, modules
