@@ -2,10 +2,10 @@
 
 The guest kernel's 00:02.0 (bochs-drm) and 00:02.1 (snd_hda_intel), one IOMMU
 group, are the GPU and its audio.  This makes the read-only 9p root writable
-with overlays on /etc, /usr and /var (upper layers on a tmpfs), with what
-`make install DESTDIR=STAGE PREFIX=/usr` installed on the host as the top
-lower layer: the program, the package, the hook in /etc/libvirt/hooks/qemu.d
-and the example configuration are where the package puts them.  It starts
+with overlays on /etc, /usr and /var (upper layers on a tmpfs) and copies
+in what `make install DESTDIR=STAGE PREFIX=/usr` installed on the host: the
+program, the package, the hook in /etc/libvirt/hooks/qemu.d and the example
+configuration are where the package puts them.  It starts
 virtlogd and a real libvirtd, and runs real nested QEMU/TCG domains (64 MiB,
 no disk, a 36-byte kernel that halts) with the pair as `<hostdev>`s, through
 every scenario of tests/kernel/test_chain.py.
@@ -369,28 +369,35 @@ def holder_of_card0() -> subprocess.Popen[bytes]:
 # -- the setup ----------------------------------------------------------------------------
 
 
-def overlay(directory: str, stage: Path) -> None:
-    """/DIRECTORY writable (its upper layer on a tmpfs), with what `make install` put
-    under STAGE/DIRECTORY on top of the host's files, as if it had installed there."""
+def overlay(directory: str) -> None:
+    """/DIRECTORY writable: the host's files, with an upper layer on a tmpfs."""
     upper, work = Path("/run/overlay", directory, "upper"), Path("/run/overlay", directory, "work")
     upper.mkdir(parents=True)
     work.mkdir(parents=True)
-    lower = f"/{directory}"
-    if (stage / directory).is_dir():
-        lower = f"{stage / directory}:{lower}"
-    options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+    options = f"lowerdir=/{directory},upperdir={upper},workdir={work}"
     subprocess.run(
         ["/bin/mount", "-t", "overlay", "overlay", "-o", options, f"/{directory}"], check=True
     )
+
+
+# What of `make install`'s tree the chain runs: the program, the package, the hook
+# and the configuration (not the man pages, completions, units or documents).
+INSTALLED = ("etc", "usr/bin", "usr/lib/python3")
+
+
+def install(stage: Path) -> list[dict[str, Any]]:
+    """Copy the installed files into place.  They live in the overlays' tmpfs from
+    then on: the stage, read through 9p under an overlay, once lost a module in the
+    middle of a run (a lookup that failed), and the hook with it."""
+    return [run(["/bin/cp", "-a", f"{stage / part}/.", f"/{part}"]) for part in INSTALLED]
 
 
 def setup(kernel_root: Path, stage: Path, out: dict[str, Any]) -> None:
     version = os.uname().release
     # overlay first (from the unpacked package), then the rest the normal way.
     subprocess.run(["/sbin/modprobe", "-d", str(kernel_root), "overlay"], check=True)
-    installed = {path.relative_to(stage / "etc") for path in (stage / "etc").rglob("*")}
     for directory in ("etc", "usr", "var"):
-        overlay(directory, stage)
+        overlay(directory)
     modules = Path("/usr/lib/modules")
     modules.mkdir(exist_ok=True)
     (modules / version).symlink_to(kernel_root / "lib" / "modules" / version)
@@ -401,13 +408,12 @@ def setup(kernel_root: Path, stage: Path, out: dict[str, Any]) -> None:
             Path(fresh).mkdir(parents=True, exist_ok=True)
             subprocess.run(["/bin/mount", "-t", "tmpfs", "tmp", fresh], check=True)
     WORK.mkdir(parents=True, exist_ok=True)
-    etc = Path("/etc")
-    libvirt = etc / "libvirt"
+    libvirt = Path("/etc/libvirt")
     # Nothing of the host's own libvirt use: no other hooks, domains or autostarted
     # networks.  libvirtd probes every QEMU it finds when it starts (a quarter of a
     # minute each under TCG); the domains here need only qemu-system-x86_64.
     strays = [
-        *(path for path in libvirt.glob("hooks/**/*") if path.relative_to(etc) not in installed),
+        *libvirt.glob("hooks/**/*"),
         *libvirt.glob("qemu/*.xml"),
         *libvirt.glob("qemu/networks/autostart/*"),
         Path("/usr/bin/qemu-system-i386"),
@@ -415,6 +421,7 @@ def setup(kernel_root: Path, stage: Path, out: dict[str, Any]) -> None:
     for stray in strays:
         if stray.is_file() or stray.is_symlink():
             stray.unlink()
+    out["install"] = install(stage)
     conf = libvirt / "qemu.conf"
     text = conf.read_text()
     if QEMU_SETTINGS.strip() not in text:

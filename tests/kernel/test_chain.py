@@ -209,6 +209,8 @@ def test_the_package_is_installed_and_libvirtd_runs(chain):
     setup = no_errors(chain, "setup")
     assert setup["home_bound"], setup["modprobe"]
     assert "charly-arbiter" in setup["installed_hook"]
+    for copied in setup["install"]:
+        ok(copied)
     assert setup["libvirtd"]["answered"], setup["libvirtd"]
     assert setup["defined"] == ["chain-a", "chain-b", "chain-n"]
 
