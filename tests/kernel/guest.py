@@ -214,20 +214,13 @@ def _build_initramfs(root: Path, version: str, busybox_deb: Path, target: Path) 
 
 
 def boot(
-    kernel: Kernel,
-    results: Path,
-    script: str,
-    timeout: float = 300,
-    repo: Path | None = None,
-    cpus: int = 1,
+    kernel: Kernel, results: Path, script: str, timeout: float = 300, repo: Path | None = None
 ) -> Boot:
     """Run `script` (sh) inside the guest with `results` mounted at /run/results.
 
     `repo`, when given, is shared read-only with the tag `repo`: the guest's
     /tmp is a tmpfs, so a checkout under the host's /tmp (as CI's may be) is
     hidden there, and `repo_mount_script` mounts it back at the same path.
-    `cpus` > 1 lets the guest run several programs at once (libvirtd, a nested
-    QEMU and a hook) on as many host threads.
     Returns when the guest powers off; what the script wrote is in `results`.
     """
     results.mkdir(parents=True, exist_ok=True)
@@ -239,7 +232,7 @@ def boot(
         "-m",
         "1024",
         "-smp",
-        str(cpus),
+        "1",
         "-machine",
         "q35,kernel-irqchip=split",
         "-device",
