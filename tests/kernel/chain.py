@@ -216,7 +216,6 @@ def ledger() -> dict[str, Any]:
             for lease in state.leases
         ],
         "poisoned": {token: poison.reason for token, poison in state.poisoned},
-        "homes": {token: dict(home) for token, home in state.homes},
     }
 
 
@@ -636,7 +635,7 @@ def timeline() -> list[list[Any]]:
 
 def main() -> None:
     kernel_root, stage = Path(sys.argv[1]), Path(sys.argv[2])
-    out: dict[str, Any] = {"errors": {}, "step_seconds": {}, "windows": {}}
+    out: dict[str, Any] = {"errors": {}, "step_seconds": {}}
     started = time.monotonic()
     out["guest_uptime_at_start"] = float(Path("/proc/uptime").read_text().split()[0])
     example = (stage / "etc" / "charly-arbiter" / "arbiter.toml").read_text()
@@ -652,7 +651,7 @@ def main() -> None:
     for name, step in steps:
         record: dict[str, Any] = {}
         out[name] = record
-        began, begun = time.time(), time.monotonic()
+        begun = time.monotonic()
         try:
             step(record)
         except Exception:
@@ -660,7 +659,6 @@ def main() -> None:
             if name == "setup":
                 break
         out["step_seconds"][name] = round(time.monotonic() - begun, 2)
-        out["windows"][name] = [began, time.time()]
         (RESULTS / "chain.json").write_text(json.dumps(out, indent=1, default=str))
     out["chain_seconds"] = round(time.monotonic() - started, 2)
     out["timeline"] = timeline()
