@@ -16,6 +16,7 @@ the arbiter's hook log, an observer hook's log and libvirtd's own debug log.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -81,6 +82,10 @@ def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         check_qemu()
     except QemuUnavailable as why:
         pytest.skip(f"QEMU CANNOT RUN HERE, the chain tests are SKIPPED: {why}")
+    needed = ("/usr/sbin/libvirtd", "/usr/sbin/virtlogd", "/usr/bin/virsh", "/usr/bin/make")
+    missing = [path for path in needed if not os.access(path, os.X_OK)]
+    if missing:
+        pytest.fail(f"missing {', '.join(missing)}: run scripts/setup (scripts/apt-packages.txt)")
     kernel = prepare_kernel()
     directory = tmp_path_factory.mktemp("chain")
     install_package(directory / "stage", tmp_path_factory.mktemp("build"))
