@@ -73,7 +73,10 @@ install-data: man completions
 	@# the program itself: two lines, not the installers' launcher (it imports re)
 	$(PYTHON) packaging/launcher.py $(DESTDIR)$(BINDIR)/charly-arbiter $(PYTHON)
 	install -d -m 0755 $(DESTDIR)$(dir $(HOOK))
-	install -m 0755 hooks/qemu $(DESTDIR)$(HOOK)
+	@# the hook runs the program where BINDIR put it (it does nothing if that is missing)
+	sed 's|^CHARLY_ARBITER=/usr/bin/charly-arbiter$$|CHARLY_ARBITER=$(BINDIR)/charly-arbiter|' \
+		hooks/qemu > $(DESTDIR)$(HOOK)
+	chmod 0755 $(DESTDIR)$(HOOK)
 	install -d -m 0755 $(DESTDIR)$(OCILIBEXEC) $(DESTDIR)$(OCIHOOKSDIR)
 	for program in hooks/oci-hook hooks/oci-runtime etc/charly-arbiter/ollama-unload; do \
 		sed -e 's|/usr/bin/charly-arbiter|$(BINDIR)/charly-arbiter|g' \

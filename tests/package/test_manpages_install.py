@@ -122,6 +122,9 @@ def test_make_install_from_source_gives_a_working_layout(tmp_path: Path) -> None
     prefix = destdir / "usr" / "local"
     hook = destdir / "etc/libvirt/hooks/qemu.d/charly-arbiter"
     assert hook.is_file() and not hook.is_symlink() and os.access(hook, os.X_OK)
+    # The hook runs the program where this install put it: a hook still naming
+    # /usr/bin/charly-arbiter would find nothing there and let every VM start unclaimed.
+    assert "CHARLY_ARBITER=/usr/local/bin/charly-arbiter\n" in hook.read_text()
     assert (destdir / "etc/charly-arbiter/arbiter.toml").is_file()
     unit = (prefix / "lib/systemd/system/charly-arbiter-reconcile.service").read_text()
     assert "ExecStart=/usr/local/bin/charly-arbiter restore --stranded" in unit
