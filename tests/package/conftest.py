@@ -65,13 +65,18 @@ def chroot(tmp_path: Path) -> Iterator[Chroot]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the installed-package libvirt test first in a run that includes tests/libvirt.
+    """Run the installed-package libvirt and Podman tests first in a run that includes
+    tests/libvirt or tests/containers.
 
-    tests/libvirt's session fixture holds /tmp/charly-libvirt.lock and a
-    running libvirtd until the very end of the pytest session; the
-    installed-package test needs both free, so it must come before.
+    Their session fixtures hold /tmp/charly-libvirt.lock (and a running libvirtd)
+    or /tmp/charly-podman.lock until the very end of the pytest session; the
+    installed-package tests need them free (and take the libvirt lock themselves),
+    so they must come before: after, they would wait for this very process.
     """
     first = [
-        i for i in items if i.get_closest_marker("package") and i.get_closest_marker("libvirt")
+        i
+        for i in items
+        if i.get_closest_marker("package")
+        and (i.get_closest_marker("libvirt") or i.get_closest_marker("podman"))
     ]
     items[:] = first + [item for item in items if item not in first]
