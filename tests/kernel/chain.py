@@ -591,15 +591,22 @@ def scenario_vfio_unavailable(out: dict[str, Any]) -> None:
 
 
 def scenario_home_driver_gone(out: dict[str, Any]) -> None:
-    """snd_hda_intel unloaded while the VM runs: the way home binds nothing, the token
-    is poisoned and its lease left for `restore`, and `virsh destroy` still succeeds.
-    The operator's way back: load the driver, clear the poison, `restore --stranded`."""
+    """snd_hda_intel unloaded while the VM runs, and it will not load again (the arbiter
+    loads a home driver that is not loaded, as libvirt loads the stub): the way home
+    binds nothing, the token is poisoned and its lease left for `restore`, and `virsh
+    destroy` still succeeds.  The operator's way back: let the driver load, clear the
+    poison, `restore --stranded`."""
     configure(token_config())
     out["start"] = virsh("start", "chain-a")
     out["rmmod"] = run(["/sbin/rmmod", "snd_hda_intel"])
-    out["destroy"] = virsh("destroy", "chain-a")
-    wait_for(lambda: not finish_release_running(), 30)
-    out["after"] = facts("gpu", "chain-a")
+    blacklist = Path("/etc/modprobe.d/chain-no-hda.conf")
+    blacklist.write_text("install snd_hda_intel /bin/false\n")
+    try:
+        out["destroy"] = virsh("destroy", "chain-a")
+        wait_for(lambda: not finish_release_running(), 30)
+        out["after"] = facts("gpu", "chain-a")
+    finally:
+        blacklist.unlink()
     out["modprobe_back"] = modprobe("snd-hda-intel")
     out["clear"] = cli("poison", "clear", "gpu")
     out["restore"] = cli("restore", "--stranded")
