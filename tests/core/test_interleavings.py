@@ -39,7 +39,7 @@ CLAIMANTS = ("libvirt:a", "libvirt:b", "container:s", "container:t")
 EXPECTED_FAILURES = (ClaimRefused, LeaseInProgress)
 
 
-def setup(world: World, *steps: tuple[str, str, Mode, tuple[str, ...]]) -> None:
+def start_with(world: World, *steps: tuple[str, str, Mode, tuple[str, ...]]) -> None:
     world.root.chmod(0o700)
     (world.sim_dir / "host.toml").write_text(ALL_PREEMPTIBLE)
     world.config_path.write_text(CONFIG.format(root=world.root))
@@ -176,7 +176,7 @@ def test_two_exclusive_claims_on_one_gpu():
         assert len(won) == 1, outcome.choices  # exactly one, the other refused
 
     run(
-        lambda w: setup(w),
+        lambda w: start_with(w),
         [
             ("a", acquire("libvirt:a", Mode.EXCLUSIVE, "gpu0")),
             ("b", acquire("libvirt:b", Mode.EXCLUSIVE, "gpu0")),
@@ -188,7 +188,7 @@ def test_two_exclusive_claims_on_one_gpu():
 
 def test_exclusive_claim_against_the_release_of_the_shared_claimant_it_preempts():
     run(
-        lambda w: setup(w, ("acquire", "container:s", Mode.SHARED, ("gpu0",))),
+        lambda w: start_with(w, ("acquire", "container:s", Mode.SHARED, ("gpu0",))),
         [
             ("a", acquire("libvirt:a", Mode.EXCLUSIVE, "gpu0")),
             ("s-release", release("container:s")),
@@ -201,7 +201,7 @@ def test_release_that_reinstates_a_shared_claimant_against_a_new_exclusive_claim
     """Issue 9, defect 2: the preempted shared claimant must never come back beside a
     new exclusive lease, and the GPU never stay on vfio-pci under a shared lease."""
     run(
-        lambda w: setup(
+        lambda w: start_with(
             w,
             ("acquire", "container:s", Mode.SHARED, ("gpu0",)),
             ("acquire", "libvirt:a", Mode.EXCLUSIVE, ("gpu0",)),
@@ -231,7 +231,7 @@ def test_a_vm_destroyed_and_started_at_once_with_a_third_vm(preemptions):
         assert outcome_of(outcome, "b") != "ok"
 
     run(
-        lambda w: setup(w, ("acquire", "libvirt:a", Mode.EXCLUSIVE, ("gpu0",))),
+        lambda w: start_with(w, ("acquire", "libvirt:a", Mode.EXCLUSIVE, ("gpu0",))),
         [
             ("a-restart", hook_release("libvirt:a", then_start=True)),
             ("b", acquire("libvirt:b", Mode.EXCLUSIVE, "gpu0")),
@@ -244,7 +244,7 @@ def test_a_vm_destroyed_and_started_at_once_with_a_third_vm(preemptions):
 
 def test_shared_claims_and_an_exclusive_claim_over_two_gpus():
     run(
-        lambda w: setup(w, ("acquire", "container:s", Mode.SHARED, ("gpu0",))),
+        lambda w: start_with(w, ("acquire", "container:s", Mode.SHARED, ("gpu0",))),
         [
             ("t", acquire("container:t", Mode.SHARED, "gpu0", "gpu1")),
             ("a", acquire("libvirt:a", Mode.EXCLUSIVE, "gpu1")),
@@ -257,7 +257,7 @@ def test_shared_claims_and_an_exclusive_claim_over_two_gpus():
 
 def test_kill_9_anywhere_while_another_claim_and_a_restore_run():
     run(
-        lambda w: setup(w, ("acquire", "container:s", Mode.SHARED, ("gpu0",))),
+        lambda w: start_with(w, ("acquire", "container:s", Mode.SHARED, ("gpu0",))),
         [("a", acquire("libvirt:a", Mode.EXCLUSIVE, "gpu0")), ("restore", restore_stranded)],
         crash=True,
         floor=20,
@@ -266,7 +266,7 @@ def test_kill_9_anywhere_while_another_claim_and_a_restore_run():
 
 def test_kill_9_anywhere_in_a_release_racing_a_claim():
     run(
-        lambda w: setup(
+        lambda w: start_with(
             w,
             ("acquire", "container:s", Mode.SHARED, ("gpu0",)),
             ("acquire", "libvirt:a", Mode.EXCLUSIVE, ("gpu0",)),
@@ -280,7 +280,7 @@ def test_kill_9_anywhere_in_a_release_racing_a_claim():
 
 def test_a_reboot_in_the_middle_of_a_claim():
     run(
-        lambda w: setup(w, ("acquire", "container:s", Mode.SHARED, ("gpu0",))),
+        lambda w: start_with(w, ("acquire", "container:s", Mode.SHARED, ("gpu0",))),
         [("a", acquire("libvirt:a", Mode.EXCLUSIVE, "gpu0")), ("reboot", reboot)],
         floor=5,
     )
@@ -289,7 +289,7 @@ def test_a_reboot_in_the_middle_of_a_claim():
 @pytest.mark.slow
 def test_three_claims_and_a_hook_release():
     run(
-        lambda w: setup(
+        lambda w: start_with(
             w,
             ("acquire", "container:s", Mode.SHARED, ("gpu0",)),
             ("acquire", "libvirt:a", Mode.EXCLUSIVE, ("gpu0",)),
@@ -307,7 +307,7 @@ def test_three_claims_and_a_hook_release():
 @pytest.mark.slow
 def test_kill_9_anywhere_with_three_operations():
     run(
-        lambda w: setup(w, ("acquire", "container:s", Mode.SHARED, ("gpu0",))),
+        lambda w: start_with(w, ("acquire", "container:s", Mode.SHARED, ("gpu0",))),
         [
             ("a", acquire("libvirt:a", Mode.EXCLUSIVE, "gpu0")),
             ("t", acquire("container:t", Mode.SHARED, "gpu0")),
