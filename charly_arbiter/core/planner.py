@@ -255,6 +255,7 @@ def _decide_exclusive(
         _refuse_by_policy(ref, "", claimant, token, policy)
         stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens, shared_tokens))
 
+    _refuse_stops_being_started(ledger, claimant, stops, tokens, stranded)
     switches = tuple(
         Switch(token.name, function.address, function.driver, VFIO)
         for token in tokens
@@ -314,6 +315,40 @@ def _take_over_pending_restarts(
     return taken
 
 
+def _refuse_stops_being_started(
+    ledger: LedgerState,
+    claimant: Claimant,
+    stops: Sequence[StopStep],
+    tokens: Sequence[TokenSpec],
+    stranded: frozenset[Claimant],
+) -> None:
+    """A claim waits rather than stop a holder that a release is starting again.
+
+    That release starts it outside the lock and then, for a preempted shared
+    claimant, gives it its lease back; its STARTING record is what keeps claims
+    on the holder's old tokens waiting meanwhile.  A claim elsewhere that stopped
+    the holder now would have to mark that record done, and so let a claim on
+    the old tokens in before the lease comes back there (found by the 75 s
+    stress run), besides racing the start with its stop.
+    """
+    stopping = {step.holder for step in stops}
+    for lease in ledger.leases:
+        if lease.claimant == claimant:
+            continue
+        for record in lease.unrestored():
+            if record.state is StepState.STARTING and record.holder in stopping:
+                stale = lease.claimant in stranded
+                raise ClaimRefused(
+                    ", ".join(_label(token) for token in tokens),
+                    claimant,
+                    f"{record.holder} is being started again by the release of {lease.claimant}",
+                    hint="run `charly-arbiter restore --stranded` first"
+                    if stale
+                    else "try again in a moment",
+                    retry=not stale,
+                )
+
+
 def _decide_shared(
     ledger: LedgerState,
     claimant: Claimant,
@@ -336,6 +371,7 @@ def _decide_shared(
         if holder.preemptible and holder.ref not in claimants:
             _refuse_unless_preemptible(holder, claimant, first, policy)
             stops.append(StopStep(holder.ref, holder.how, tokens=holder.tokens))
+    _refuse_stops_being_started(ledger, claimant, stops, first, frozenset())
     switches = []
     homes = {}
     for token in first:

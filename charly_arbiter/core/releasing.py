@@ -373,6 +373,18 @@ class Releaser:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
                 txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
+            # Nothing may have taken them meanwhile (the planner waits for a STARTING
+            # record); should a claim have got in all the same, the lease is not
+            # recreated beside it: the holder comes back without it, loudly.
+            taken = taken_meanwhile(txn.state, claimant, record, home_tokens)
+            if taken:
+                log.error(
+                    "%s: %s gets no shared lease back: %s held exclusively meanwhile",
+                    claimant,
+                    record.holder,
+                    ", ".join(taken),
+                )
+                home_tokens = ()
             if home_tokens and txn.state.lease_of(record.holder) is None:
                 # (Its own hook may already have claimed again while it started.)
                 txn.state = txn.state.with_lease(
@@ -392,6 +404,24 @@ class Releaser:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
                 txn.state = txn.state.with_lease(lease.with_stopped(record))
+
+
+def taken_meanwhile(
+    state: LedgerState, claimant: Claimant, record: StoppedHolder, tokens: tuple[str, ...]
+) -> list[str]:
+    """Which of `tokens` another exclusive lease holds: the shared lease of the
+    holder `claimant` brought back must not be recreated there (the last guard
+    of I1; the planner's waiting for STARTING records is the first)."""
+    return [
+        token
+        for token in dict.fromkeys(tokens)
+        if any(
+            other.mode is Mode.EXCLUSIVE
+            and other.claimant not in (claimant, record.holder)
+            and blocks_token(other, token)
+            for other in state.leases
+        )
+    ]
 
 
 def _exclusive_heir(state: LedgerState, claimant: Claimant, record: StoppedHolder) -> Lease | None:

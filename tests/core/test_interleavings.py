@@ -214,6 +214,39 @@ def test_release_that_reinstates_a_shared_claimant_against_a_new_exclusive_claim
 @pytest.mark.parametrize(
     "preemptions", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-preemption", "2"]
 )
+def test_a_release_bringing_back_a_claimant_that_a_claim_elsewhere_stops(preemptions):
+    """Found by the 75 s stress run in CI: s, preempted by a on gpu0, started again and
+    shares gpu1.  While a's release is starting s again (its record STARTING, which
+    keeps claims on gpu0 waiting), b claims gpu1 and stops s as gpu1's claimant; the
+    claim must not mark a's record done under a's feet, or t's exclusive claim on gpu0
+    gets in before a gives s its gpu0 lease back, beside t's.  Two preemptions are
+    needed to meet it (a paused at STARTING, t paused after its intent)."""
+
+    def scenario(world: World) -> None:
+        start_with(
+            world,
+            ("acquire", "container:s", Mode.SHARED, ("gpu0",)),
+            ("acquire", "libvirt:a", Mode.EXCLUSIVE, ("gpu0",)),
+        )
+        arbiter = world.arbiter(1)
+        arbiter.host.set_running("container:s", True)  # it starts again, elsewhere
+        arbiter.acquire("container:s", Mode.SHARED, ["gpu1"])
+
+    run(
+        scenario,
+        [
+            ("a-release", release("libvirt:a")),
+            ("b", acquire("libvirt:b", Mode.EXCLUSIVE, "gpu1")),
+            ("t", acquire("container:t", Mode.EXCLUSIVE, "gpu0")),
+        ],
+        preemptions=preemptions,
+        floor=50,
+    )
+
+
+@pytest.mark.parametrize(
+    "preemptions", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-preemption", "2"]
+)
 def test_a_vm_destroyed_and_started_at_once_with_a_third_vm(preemptions):
     """Issue 9, defect 1: the hook's release (and its detached finish) against the same
     VM's prepare and a third VM's: the VM that runs always has its lease."""
@@ -323,8 +356,20 @@ def test_the_explorer_finds_a_planted_race(monkeypatch):
     """The harness can fail: with a new exclusive claim no longer taking over (or
     waiting for) the holders a release is bringing back — the pre-fix behaviour — some
     schedule breaks an invariant, and the explorer finds it."""
+    from charly_arbiter.core import planner, releasing
+
+    monkeypatch.setattr(planner, "_take_over_pending_restarts", lambda *args: [])
+    monkeypatch.setattr(releasing, "taken_meanwhile", lambda *args: [])
+    with pytest.raises(AssertionError, match=r"I1|I2|I3"):
+        test_release_that_reinstates_a_shared_claimant_against_a_new_exclusive_claim()
+
+
+def test_the_release_does_not_give_a_lease_back_beside_an_exclusive_one(monkeypatch, caplog):
+    """The last guard alone: with the planner's take-over planted away, as above, the
+    release that brings the shared claimant back finds the new exclusive lease and
+    gives it no lease there, saying so; every invariant holds in every schedule."""
     from charly_arbiter.core import planner
 
     monkeypatch.setattr(planner, "_take_over_pending_restarts", lambda *args: [])
-    with pytest.raises(AssertionError, match=r"I1|I2|I3"):
-        test_release_that_reinstates_a_shared_claimant_against_a_new_exclusive_claim()
+    test_release_that_reinstates_a_shared_claimant_against_a_new_exclusive_claim()
+    assert "gets no shared lease back: gpu0 held exclusively meanwhile" in caplog.text

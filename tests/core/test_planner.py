@@ -4,6 +4,8 @@ No I/O: every rule is checked on values, so a failure names the rule."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from charly_arbiter.core.host import NO_DRIVER, Holder, PciFunction, TokenSpec
@@ -241,6 +243,33 @@ HOLDER_KINDS = {
     "fixed-stopped": (Holder("systemd:gdm.service", ("gpu0",), False, False),),
 }
 DRIVERS = {"home": ("nvidia", "snd_hda_intel"), "vfio": (VFIO, VFIO), "mixed": (VFIO, None)}
+
+
+def test_a_claim_waits_rather_than_stop_a_holder_a_release_is_starting_again():
+    """The release of libvirt:a is starting container:s again (preempted on gpu0),
+    which shares gpu1 meanwhile: a claim on gpu1 that would stop s waits (a retry),
+    exclusive or, for a holder, shared; with a's release stranded it says restore."""
+    starting = StoppedHolder("container:s", StepState.STARTING, ("gpu0",), tokens=("gpu0",))
+    releasing = lease("libvirt:a", Mode.EXCLUSIVE, "gpu0", state=LeaseState.RELEASING)
+    releasing = releasing.with_stopped(starting)
+    state = LedgerState(leases=(releasing, lease("container:s", Mode.SHARED, "gpu1")))
+    gpu1 = token("gpu1", drivers=("nvidia",))
+    with pytest.raises(ClaimRefused) as refused:
+        decide_claim(state, "libvirt:b", Mode.EXCLUSIVE, [gpu1], [], NONE)
+    assert refused.value.retry
+    assert "container:s is being started again by the release of libvirt:a" in str(refused.value)
+    with pytest.raises(ClaimRefused) as refused:
+        decide_claim(state, "libvirt:b", Mode.EXCLUSIVE, [gpu1], [], frozenset({"libvirt:a"}))
+    assert not refused.value.retry and "restore --stranded" in (refused.value.hint or "")
+
+    as_holder = Holder("container:s", ("gpu1",), preemptible=True, running=True)
+    alone = LedgerState(leases=(releasing,))
+    with pytest.raises(ClaimRefused, match="being started again"):
+        decide_claim(alone, "container:t", Mode.SHARED, [gpu1], [as_holder], NONE)
+    # Once it runs (the record restored), the same claims go ahead and stop it.
+    done = alone.with_lease(releasing.with_stopped(replace(starting, restored=True)))
+    plan = decide_claim(done, "container:t", Mode.SHARED, [gpu1], [as_holder], NONE)
+    assert [step.holder for step in plan.stops] == ["container:s"]
 
 
 @pytest.mark.parametrize("existing", sorted(EXISTING))

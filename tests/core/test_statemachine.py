@@ -467,6 +467,9 @@ def decide(
                 holding.add("stranded")
             elif elsewhere.state is not ACTIVE:
                 holding.add("holder-busy")
+        stopping = [ref for ref in running if ref not in names] + sorted(names)
+        if being_started(world, claimant, stopping):
+            holding.add("starting")
         if holding:
             return ("refused", frozenset(holding))
         for ref in running:
@@ -492,16 +495,30 @@ def decide(
     # holder that is not preemptible stays beside it, and so does a claimant.
     first = [t for t in tokens if not any(lease.holds(t) for lease in world.leases)]
     claimants = {lease.claimant for lease in world.leases}
+    stops = tuple(
+        Rec(ref, (HOLDERS[ref],))
+        for ref in running
+        if HOLDERS[ref] in first and ref not in faults.rigid and ref not in claimants
+    )
+    if being_started(world, claimant, [stop.holder for stop in stops]):
+        return ("refused", frozenset({"starting"}))
     return Plan(
-        stops=tuple(
-            Rec(ref, (HOLDERS[ref],))
-            for ref in running
-            if HOLDERS[ref] in first and ref not in faults.rigid and ref not in claimants
-        ),
+        stops=stops,
         preempted=(),
         inherited=(),
         taken=(),
         switches=tuple(token for token in first if token in world.vfio),
+    )
+
+
+def being_started(world: World, claimant: str, stopping: list[str]) -> bool:
+    """Whether another lease's release is starting one of these holders again: a
+    claim does not stop it meanwhile, it waits (refused here: no retries)."""
+    return any(
+        record.starting and record.holder in stopping
+        for lease in world.leases
+        if lease.claimant != claimant
+        for record in lease.records
     )
 
 
