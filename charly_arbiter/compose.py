@@ -171,3 +171,25 @@ def log_to_file(config: Config) -> None:
         existing.setLevel(logging.WARNING)
     root.addHandler(handler)
     root.setLevel(min(root.level or logging.INFO, logging.INFO))
+
+
+class HookSession:
+    """What a hook call that has to decide holds: the configuration (read once, its
+    log set up) and, built only when a claim needs it, the arbiter, whose holder
+    sources never ask about `subject` (libvirt or the runtime would wait on this
+    very call).  Both hooks' runs are one of these."""
+
+    def __init__(self, subject: str) -> None:
+        self.ref = subject
+        self.config = load_config()
+        log_to_file(self.config)
+        self._arbiter: Arbiter | None = None
+
+    def arbiter(self) -> Arbiter:
+        if self._arbiter is None:
+            self._arbiter = build_arbiter(self.config, subject=self.ref)
+        return self._arbiter
+
+    def close(self) -> None:
+        if self._arbiter is not None:
+            self._arbiter.host.close()

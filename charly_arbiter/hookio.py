@@ -3,13 +3,16 @@
 A hook's stdout belongs to its caller (libvirt reads it as the hook's answer,
 a runtime may too), so nothing may ever reach it; the hook's refusal is one or
 two sentences on stderr, which libvirt and Podman show as the failed start's
-cause.  Imported on the hooks' fast paths: `os` and `sys` only.
+cause.  Imported on the hooks' fast paths: `os` and `sys` only, which is also
+why the configuration is scanned here as bytes, never parsed.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+DEFAULT_CONFIG = "/etc/charly-arbiter/arbiter.toml"  # core/config's, without importing it
 
 
 def stdout_to_stderr() -> None:
@@ -31,3 +34,25 @@ def say(message: str, hint: str | None) -> None:
 
 def _sentence(text: str) -> str:
     return text if text.endswith((".", "!", "?")) else f"{text}."
+
+
+def scan_config(config: str | None) -> tuple[bool, bytes] | None:
+    """What a fast path may learn from the configuration without parsing it:
+    whether the host is simulated (`sim:DIR`, whose device nodes and PCI are its
+    own files, not this machine's) and the file's bytes (empty when there is
+    none: the defaults apply).  None when the file is there but cannot be read:
+    the full path decides then, and says why."""
+    if os.environ.get("CHARLY_ARBITER_HOST", "").startswith("sim:"):
+        return True, b""
+    path = config or os.environ.get("CHARLY_ARBITER_CONFIG") or DEFAULT_CONFIG
+    try:
+        with open(path, "rb") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        return False, b""
+    except OSError:
+        return None
+    simulated = any(
+        line.lstrip().startswith(b"host") and b'"sim:' in line for line in text.splitlines()
+    )
+    return simulated, text

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
-from charly_arbiter.hookio import say, stdout_to_stderr
+from charly_arbiter.hookio import say, scan_config, stdout_to_stderr
 
 HANDLED = {"prepare": "begin", "release": "end", "reconnect": "begin", "migrate": "begin"}
 ALWAYS_SUCCEED = ("release", "reconnect")
@@ -33,7 +33,6 @@ MAX_XML = 16 << 20
 CLAIM_MARKERS = (b"hostdev", b"https://charly-arbiter.org/xmlns/claim/1")
 # Where the fast path looks (the only roots it knows; the slow path has Roots).
 SYS_ROOT = "/sys"
-CONFIG = "/etc/charly-arbiter/arbiter.toml"  # core/config.DEFAULT_CONFIG, without importing it
 DISPLAY_CLASS = "0x03"
 USAGE = "usage: charly-arbiter hook qemu GUEST OPERATION SUB-OPERATION EXTRA"
 
@@ -163,19 +162,10 @@ def _config_decides(addresses: list[str], config: str | None) -> bool:
     """Whether the configuration must be read after all: it mentions one of the
     addresses (a token may be anything), or its host is simulated (sysfs then
     says nothing about the host's PCI).  The bytes are scanned, not parsed."""
-    if os.environ.get("CHARLY_ARBITER_HOST", "").startswith("sim:"):
+    scan = scan_config(config)
+    if scan is None:
         return True
-    path = config or os.environ.get("CHARLY_ARBITER_CONFIG") or CONFIG
-    try:
-        with open(path, "rb") as handle:
-            text = handle.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    simulated = any(
-        line.lstrip().startswith(b"host") and b'"sim:' in line for line in text.splitlines()
-    )
+    simulated, text = scan
     return simulated or any(address.encode() in text for address in addresses)
 
 

@@ -15,12 +15,10 @@ import logging
 from charly_arbiter.compose import (
     DETACHED,
     HOLDER_KINDS,
-    build_arbiter,
-    log_to_file,
+    HookSession,
     spawn_finish_release,
 )
-from charly_arbiter.core.arbiter import Arbiter
-from charly_arbiter.core.config import Config, load_config
+from charly_arbiter.core.config import Config
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, Mode
 from charly_arbiter.core.planner import NO_POLICY, Policy
@@ -66,23 +64,10 @@ def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
             hook.close()
 
 
-class HookRun:
+class HookRun(HookSession):
     def __init__(self, ref: Claimant, guest: str) -> None:
-        self.ref = str(ref)
+        super().__init__(str(ref))
         self.guest = guest
-        self.config = load_config()
-        log_to_file(self.config)
-        self._arbiter: Arbiter | None = None
-
-    def arbiter(self) -> Arbiter:
-        if self._arbiter is None:
-            # The libvirt holder source never touches (or enumerates past) this domain.
-            self._arbiter = build_arbiter(self.config, subject=self.ref)
-        return self._arbiter
-
-    def close(self) -> None:
-        if self._arbiter is not None:
-            self._arbiter.host.close()
 
     def claim(self, facts: DomainFacts) -> DomainClaim | None:
         sys_root = Roots().sys

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 
-from charly_arbiter.hookio import say, stdout_to_stderr
+from charly_arbiter.hookio import say, scan_config, stdout_to_stderr
 
 MAX_STATE = 1 << 20
 MAX_SPEC = 16 << 20  # spec.MAX_SPEC, not imported: the fast path stays light
@@ -35,7 +35,6 @@ GPU_MAJOR_NAMES = ("drm", "nvidia", "nvidia-frontend")  # host/devnodes.GPU_MAJO
 # Where the fast path looks (the only roots it knows; the slow path has Roots).
 SYS_ROOT = "/sys"
 PROC_ROOT = "/proc"
-CONFIG = "/etc/charly-arbiter/arbiter.toml"  # core/config.DEFAULT_CONFIG, without importing it
 USAGE = "usage: charly-arbiter hook oci [prestart|createRuntime|poststop] [--engine=NAME]"
 
 
@@ -191,14 +190,5 @@ def _gpu_majors() -> set[int]:
 
 def _simulated(config: str | None) -> bool:
     """Whether the configured host is simulated (`sim:DIR`): its nodes are its own files."""
-    if os.environ.get("CHARLY_ARBITER_HOST", "").startswith("sim:"):
-        return True
-    path = config or os.environ.get("CHARLY_ARBITER_CONFIG") or CONFIG
-    try:
-        with open(path, "rb") as handle:
-            text = handle.read()
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
-    return any(line.lstrip().startswith(b"host") and b'"sim:' in line for line in text.splitlines())
+    scan = scan_config(config)
+    return scan is None or scan[0]

@@ -25,9 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from charly_arbiter.compose import HOLDER_KINDS, build_arbiter, log_to_file, spawn_finish_release
-from charly_arbiter.core.arbiter import Arbiter
-from charly_arbiter.core.config import load_config
+from charly_arbiter.compose import HOLDER_KINDS, HookSession, spawn_finish_release
 from charly_arbiter.core.host import UNKNOWN_FUNCTION
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import VFIO, Mode
@@ -65,23 +63,10 @@ def dispatch(stage: str, state: Any, spec: Any, engine: str | None) -> int:
             run.close()
 
 
-class HookRun:
+class HookRun(HookSession):
     def __init__(self, facts: ContainerFacts) -> None:
+        super().__init__(facts.ref)
         self.facts = facts
-        self.ref = facts.ref
-        self.config = load_config()
-        log_to_file(self.config)
-        self._arbiter: Arbiter | None = None
-
-    def arbiter(self) -> Arbiter:
-        if self._arbiter is None:
-            # The container source never asks the runtime about this container.
-            self._arbiter = build_arbiter(self.config, subject=self.ref)
-        return self._arbiter
-
-    def close(self) -> None:
-        if self._arbiter is not None:
-            self._arbiter.host.close()
 
     def nested(self) -> bool:
         """Whether the arbiter itself is stopping or starting this container now."""

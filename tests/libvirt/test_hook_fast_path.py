@@ -270,3 +270,29 @@ def test_a_nic_hostdev_is_let_go_without_the_configuration_the_ledger_or_typing(
         and m != "charly_arbiter.hookio"  # what a hook says: os and sys only
     }
     assert not {"typing", "re", "logging", "click", "tomlkit"} & modules, modules
+
+
+def test_both_hooks_scan_the_configuration_the_same_way(tmp_path: Path, monkeypatch) -> None:
+    """hookio.scan_config, which the libvirt and the OCI fast paths share: the default
+    path is core/config's; no file means the defaults; an unreadable one sends the
+    hook the slow way (which says why); a simulated host is seen in the file or the
+    environment."""
+    from charly_arbiter.core.config import DEFAULT_CONFIG
+    from charly_arbiter.hookio import DEFAULT_CONFIG as HOOK_DEFAULT
+    from charly_arbiter.hookio import scan_config
+
+    assert Path(HOOK_DEFAULT) == DEFAULT_CONFIG
+    monkeypatch.delenv("CHARLY_ARBITER_HOST", raising=False)
+    monkeypatch.delenv("CHARLY_ARBITER_CONFIG", raising=False)
+    assert scan_config(str(tmp_path / "missing.toml")) == (False, b"")
+    real = tmp_path / "arbiter.toml"
+    real.write_bytes(b'[tokens.gpu0]\naddress = "0000:0a:00.0"\n')
+    assert scan_config(str(real)) == (False, real.read_bytes())
+    monkeypatch.setenv("CHARLY_ARBITER_CONFIG", str(real))
+    assert scan_config(None) == (False, real.read_bytes())
+    simulated = tmp_path / "sim.toml"
+    simulated.write_bytes(b'  host = "sim:/tmp/x"\n')
+    assert scan_config(str(simulated)) == (True, simulated.read_bytes())
+    assert scan_config(str(tmp_path)) is None  # a directory: not readable as a file
+    monkeypatch.setenv("CHARLY_ARBITER_HOST", "sim:/tmp/x")
+    assert scan_config(str(tmp_path / "missing.toml")) == (True, b"")
