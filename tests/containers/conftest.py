@@ -24,7 +24,6 @@ the installed /usr/bin/charly-arbiter and the package's hook files.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from machine import flocked, restored
 from simhosts import audio, gpu, host
 
 REPO = Path(__file__).resolve().parents[2]
@@ -300,39 +300,6 @@ def why_not() -> str | None:
 
 
 @contextlib.contextmanager
-def _session_lock() -> Iterator[None]:
-    handle = LOCK.open("a")
-    deadline = time.monotonic() + 900
-    while True:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                pytest.fail(f"{LOCK} stayed locked for 15 minutes (another Podman test session)")
-            time.sleep(1)
-    try:
-        yield
-    finally:
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        handle.close()
-
-
-@contextlib.contextmanager
-def _restored(*paths: Path) -> Iterator[None]:
-    """Put each file back as it was (or remove it, if it did not exist)."""
-    saved = {path: path.read_bytes() if path.exists() else None for path in paths}
-    try:
-        yield
-    finally:
-        for path, content in saved.items():
-            if content is None:
-                path.unlink(missing_ok=True)
-            else:
-                path.write_bytes(content)
-
-
-@contextlib.contextmanager
 def podman_environment(work: Path) -> Iterator[Podman]:
     """The hook installed, a simulated host with real GPU-node stand-ins, under the lock."""
     os.chmod(work, 0o700)
@@ -343,7 +310,7 @@ def podman_environment(work: Path) -> Iterator[Podman]:
     (rootfs / "tmp").mkdir(mode=0o1777)
     shutil.copy(PROGRAMS["busybox"], rootfs / "bin" / "busybox")
     (rootfs / "bin" / "sh").symlink_to("busybox")
-    with _session_lock():
+    with flocked(LOCK, "another Podman test session"):
         nodes = {}
         for token, device in zip(("gpu0", "gpu1"), free_devices(2), strict=True):
             node = sim_dir / "dev" / "dri" / f"card-{token}"
@@ -384,7 +351,7 @@ def podman_environment(work: Path) -> Iterator[Podman]:
         )
         backups = [HOOK_JSON] if not INSTALLED else [INSTALLED_CONFIG]
         created_dir = not HOOKS_DIR.exists()
-        with _restored(*backups):
+        with restored(*backups):
             if INSTALLED:
                 if not HOOK_JSON.is_file():
                     raise Unavailable(f"the installed package did not install {HOOK_JSON}")

@@ -17,7 +17,6 @@ it is the installed /usr/bin/charly-arbiter and the installed hook.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from machine import flocked, restored
 from simhosts import audio, gpu, host
 
 REPO = Path(__file__).resolve().parents[2]
@@ -350,35 +350,8 @@ def _session_lock() -> Iterator[None]:
         # tests/package installed the package and holds the lock around this whole run.
         yield
         return
-    handle = LOCK.open("a")
-    deadline = time.monotonic() + 900
-    while True:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                pytest.fail(f"{LOCK} stayed locked for 15 minutes (another libvirt test session)")
-            time.sleep(1)
-    try:
+    with flocked(LOCK, "another libvirt test session"):
         yield
-    finally:
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        handle.close()
-
-
-@contextlib.contextmanager
-def _restored(*paths: Path) -> Iterator[None]:
-    """Put each file back as it was (or remove it, if it did not exist)."""
-    saved = {path: path.read_bytes() if path.exists() else None for path in paths}
-    try:
-        yield
-    finally:
-        for path, content in saved.items():
-            if content is None:
-                path.unlink(missing_ok=True)
-            else:
-                path.write_bytes(content)
 
 
 def _why_not() -> str | None:
@@ -439,7 +412,7 @@ def libvirt_environment(work: Path, with_hook: bool = True) -> Iterator[Libvirt]
         HOOK_DIR.mkdir(parents=True, exist_ok=True)
         config_dir_existed = INSTALLED_CONFIG.parent.exists()
         backups = [QEMU_CONF, HOOK, *([config_path] if INSTALLED else [])]
-        with _restored(*backups):
+        with restored(*backups):
             text = QEMU_CONF.read_text() if QEMU_CONF.exists() else ""
             if QEMU_SETTINGS.strip() not in text:
                 QEMU_CONF.write_text(text + QEMU_SETTINGS)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
@@ -15,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import machine
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,23 +57,10 @@ def need_root() -> None:
 
 @contextlib.contextmanager
 def flocked(path: Path, timeout: float = 900) -> Iterator[None]:
-    """Hold an exclusive flock on PATH (waiting up to TIMEOUT seconds)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as handle:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{path} stayed locked for {timeout:.0f} s")
-                time.sleep(1)
-        log(f"holding {path} (waited {timeout - (deadline - time.monotonic()):.0f} s for it)")
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    """Hold an exclusive flock on PATH (waiting up to TIMEOUT seconds), saying so."""
+    with machine.flocked(path, "another test session", timeout) as waited:
+        log(f"holding {path} (waited {waited:.0f} s for it)")
+        yield
 
 
 @dataclass(frozen=True)
