@@ -301,16 +301,7 @@ def _take_over_pending_restarts(
             if not used or record.holder == claimant:
                 continue
             if record.state is StepState.STARTING:
-                stale = lease.claimant in stranded
-                raise ClaimRefused(
-                    label[used[0]],
-                    claimant,
-                    f"{record.holder} is being started again by the release of {lease.claimant}",
-                    hint="run `charly-arbiter restore --stranded` first"
-                    if stale
-                    else "try again in a moment",
-                    retry=not stale,
-                )
+                raise _being_started(label[used[0]], claimant, record, lease, stranded)
             taken.append((lease.claimant, record))
     return taken
 
@@ -337,16 +328,27 @@ def _refuse_stops_being_started(
             continue
         for record in lease.unrestored():
             if record.state is StepState.STARTING and record.holder in stopping:
-                stale = lease.claimant in stranded
-                raise ClaimRefused(
-                    ", ".join(_label(token) for token in tokens),
-                    claimant,
-                    f"{record.holder} is being started again by the release of {lease.claimant}",
-                    hint="run `charly-arbiter restore --stranded` first"
-                    if stale
-                    else "try again in a moment",
-                    retry=not stale,
-                )
+                label = ", ".join(_label(token) for token in tokens)
+                raise _being_started(label, claimant, record, lease, stranded)
+
+
+def _being_started(
+    label: str,
+    claimant: Claimant,
+    record: StoppedHolder,
+    releasing: Lease,
+    stranded: frozenset[Claimant],
+) -> ClaimRefused:
+    """The refusal while `releasing` starts `record`'s holder again: a retry, unless
+    that release is stranded (then only `restore` finishes it)."""
+    stale = releasing.claimant in stranded
+    return ClaimRefused(
+        label,
+        claimant,
+        f"{record.holder} is being started again by the release of {releasing.claimant}",
+        hint="run `charly-arbiter restore --stranded` first" if stale else "try again in a moment",
+        retry=not stale,
+    )
 
 
 def _decide_shared(
