@@ -20,7 +20,9 @@ from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.host import Host
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, ProcessRef
+from charly_arbiter.core.planner import NO_POLICY, Policy
 from charly_arbiter.host.holders import HolderSource, SourceFactory
+from charly_arbiter.host.markers import is_acting
 from charly_arbiter.host.run import spawn_detached
 from charly_arbiter.logsetup import log_setup
 
@@ -193,3 +195,21 @@ class HookSession:
     def close(self) -> None:
         if self._arbiter is not None:
             self._arbiter.host.close()
+
+    def nested(self) -> bool:
+        """Whether this hook runs because the arbiter itself stops or starts its subject."""
+        return is_acting(self.config.state_dir, self.ref)
+
+    def policy(self) -> Policy:
+        """A nested hook never stops a holder (its caller is stopping or starting
+        one already); otherwise the hook's own rules, `own_policy`."""
+        if self.nested():
+            return Policy(
+                refuse_kinds=frozenset(HOLDER_KINDS),
+                refuse_hint="{claimant} was started by the arbiter itself, which never "
+                "stops {holder} from a nested hook; stop {holder} first",
+            )
+        return self.own_policy()
+
+    def own_policy(self) -> Policy:
+        return NO_POLICY

@@ -14,7 +14,6 @@ import logging
 
 from charly_arbiter.compose import (
     DETACHED,
-    HOLDER_KINDS,
     HookSession,
     spawn_finish_release,
 )
@@ -23,7 +22,7 @@ from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, Mode
 from charly_arbiter.core.planner import NO_POLICY, Policy
 from charly_arbiter.errors import ArbiterError
-from charly_arbiter.host.markers import HOOK_DIR, is_acting, marked
+from charly_arbiter.host.markers import HOOK_DIR, marked
 from charly_arbiter.host.sysfs import Roots
 from charly_arbiter.libvirt.domainxml import (
     DomainClaim,
@@ -77,17 +76,7 @@ class HookRun(HookSession):
             lambda uuid: mdev_parent(sys_root, uuid),
         )
 
-    def nested(self) -> bool:
-        """Whether this hook runs because the arbiter itself stops or starts this domain."""
-        return is_acting(self.config.state_dir, self.ref)
-
-    def policy(self) -> Policy:
-        if self.nested():
-            return Policy(
-                refuse_kinds=frozenset(HOLDER_KINDS),
-                refuse_hint="{claimant} was started by the arbiter itself, which never "
-                "stops {holder} from a nested hook; stop {holder} first",
-            )
+    def own_policy(self) -> Policy:
         return preemption_policy(self.config)
 
     def prepare(self, claim: DomainClaim) -> int:

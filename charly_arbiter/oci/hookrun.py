@@ -25,14 +25,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from charly_arbiter.compose import HOLDER_KINDS, HookSession, spawn_finish_release
+from charly_arbiter.compose import HookSession, spawn_finish_release
 from charly_arbiter.core.host import UNKNOWN_FUNCTION
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import VFIO, Mode
-from charly_arbiter.core.planner import NO_POLICY, Policy
 from charly_arbiter.errors import ClaimRefused
 from charly_arbiter.host.holders.container import ClaimRecord, forget_record, write_record
-from charly_arbiter.host.markers import HOOK_DIR, is_acting, marked
+from charly_arbiter.host.markers import HOOK_DIR, marked
 from charly_arbiter.host.procscan import process_ref
 from charly_arbiter.host.sysfs import PROC_ROOT
 from charly_arbiter.logsetup import log_setup
@@ -67,10 +66,6 @@ class HookRun(HookSession):
     def __init__(self, facts: ContainerFacts) -> None:
         super().__init__(facts.ref)
         self.facts = facts
-
-    def nested(self) -> bool:
-        """Whether the arbiter itself is stopping or starting this container now."""
-        return is_acting(self.config.state_dir, self.ref)
 
     # -- creation ------------------------------------------------------------------
 
@@ -141,15 +136,6 @@ class HookRun(HookSession):
                 log.info("%s: %s is no token's: every token is on its driver", self.ref, nodes)
             names += away
         return list(dict.fromkeys(names))
-
-    def policy(self) -> Policy:
-        if self.nested():
-            return Policy(
-                refuse_kinds=frozenset(HOLDER_KINDS),
-                refuse_hint="{claimant} was started by the arbiter itself, which never "
-                "stops {holder} from a nested hook; stop {holder} first",
-            )
-        return NO_POLICY
 
     # -- stop ------------------------------------------------------------------------
 
