@@ -10,6 +10,15 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def cli_command(*args: str) -> str:
+    """A `charly-arbiter` command line for a person to paste, in backticks: every
+    word quoted for a POSIX shell, so that a name with a space, a quote or a `$`
+    (a libvirt domain may have any of them) runs as the very command it reads as."""
+    import shlex
+
+    return "`" + shlex.join(("charly-arbiter", *args)) + "`"
+
+
 class ArbiterError(Exception):
     """Base of every error the arbiter raises on purpose.
 
