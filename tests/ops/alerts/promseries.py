@@ -51,6 +51,15 @@ def parse(text: str) -> Samples:
     return samples
 
 
+def exported_names(text: str) -> set[str]:
+    """The metric names an exposition gives Prometheus, a family without samples included."""
+    names: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        suffix = "_total" if family.type == "counter" else ""
+        names |= {sample.name for sample in family.samples} or {family.name + suffix}
+    return names
+
+
 def value(samples: Samples, name: str, **labels: str) -> float:
     return samples[(name, tuple(sorted(labels.items())))]
 

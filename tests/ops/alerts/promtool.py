@@ -26,6 +26,12 @@ PROMTOOL = Path("/usr/bin/promtool")
 TARGET = {"instance": "gpuhost1:9100", "job": "node"}
 
 _LABEL = re.compile(r"\{\{ \$labels\.([a-zA-Z_][a-zA-Z0-9_]*) \}\}")
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_WORD = re.compile(r"(?<![\w.])[a-zA-Z_:][a-zA-Z0-9_:]*")
+_KEYWORDS = frozenset(
+    "by without on ignoring group_left group_right bool and or unless offset inf nan".split()
+)
 
 
 def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -34,6 +40,21 @@ def promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess
     return subprocess.run(
         [str(PROMTOOL), *args], capture_output=True, text=True, timeout=120, cwd=cwd, check=False
     )
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: the words left once strings,
+    label matchers, ranges, grouping label lists, calls and keywords are out."""
+    text = _STRING.sub('""', expr)
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = _GROUPING.sub(" ", text)
+    names = set()
+    for match in _WORD.finditer(text):
+        called = text[match.end() :].lstrip().startswith("(")
+        if not called and match.group().lower() not in _KEYWORDS:
+            names.add(match.group())
+    return names
 
 
 def alerting_rules(path: Path = RULES) -> dict[str, dict[str, Any]]:

@@ -15,8 +15,19 @@ import re
 from pathlib import Path
 
 import pytest
-from promseries import STAMP_KEY, Samples, Scrapes, parse, value
-from promtool import REPO, RULES, TARGET, alerting_rules, firing, promtool, quiet, rendered, verify
+from promseries import STAMP_KEY, Samples, Scrapes, exported_names, parse, value
+from promtool import (
+    REPO,
+    RULES,
+    TARGET,
+    alerting_rules,
+    firing,
+    metric_names,
+    promtool,
+    quiet,
+    rendered,
+    verify,
+)
 from simhosts import default_host
 
 from charly_arbiter.core.arbiter import Arbiter
@@ -36,6 +47,14 @@ def test_promtool_checks_the_shipped_rules() -> None:
     result = promtool("check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(alerting_rules())} rules found" in result.stdout
+
+
+def test_the_rules_read_what_the_arbiter_exports_and_nothing_else_but_the_unit_state(sim):
+    exported = exported_names(sim.cli("metrics", check=True).stdout)
+    read = {alert: metric_names(rule["expr"]) for alert, rule in alerting_rules().items()}
+    assert all(read.values()), read
+    others = {name for names in read.values() for name in names} - exported
+    assert others == {"node_systemd_unit_state"}  # node_exporter's systemd collector
 
 
 def test_a_rewrite_of_an_unchanged_state_differs_only_in_its_timestamp(sim, tmp_path) -> None:
