@@ -13,7 +13,10 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -128,9 +131,17 @@ def dashboard() -> dict[str, Any]:
     return document
 
 
-@pytest.fixture
-def exported(sim) -> set[str]:
-    return exported_names(sim.cli("metrics", check=True).stdout)
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> set[str]:
+    """What the real `metrics` exports, on the example host `sim init` writes."""
+    directory = tmp_path_factory.mktemp("example")
+    run = [sys.executable, "-m", "charly_arbiter"]
+    subprocess.run([*run, "sim", "init", str(directory)], check=True, capture_output=True)
+    env = {**os.environ, "CHARLY_ARBITER_CONFIG": str(directory / "arbiter.toml")}
+    metrics = subprocess.run(
+        [*run, "metrics"], check=True, capture_output=True, text=True, env=env, cwd=REPO
+    )
+    return exported_names(metrics.stdout)
 
 
 def test_the_shipped_dashboard_loads_and_every_query_works(exported, tmp_path):
