@@ -40,20 +40,14 @@ class MetricsUnavailable(ArbiterError):
         )
 
 
-def exposition(
-    status: Status,
-    history: Sequence[Record],
-    skipped_lines: int = 0,
-    now: float | None = None,
-) -> bytes:
-    """The Prometheus text format for this state and history, made at `now` (Unix time)."""
+def exposition(status: Status, history: Sequence[Record], skipped_lines: int = 0) -> bytes:
+    """The Prometheus text format for this state and history, stamped with the time now."""
     try:
         from prometheus_client import CollectorRegistry, generate_latest
     except ImportError:
         raise MetricsUnavailable() from None
     registry = CollectorRegistry(auto_describe=True)
-    made = time.time() if now is None else now
-    registry.register(_Collector(status, history, skipped_lines, made))
+    registry.register(_Collector(status, history, skipped_lines, time.time()))
     data: bytes = generate_latest(registry)
     return data
 

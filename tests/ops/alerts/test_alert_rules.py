@@ -57,6 +57,13 @@ def test_the_rules_read_what_the_arbiter_exports_and_nothing_else_but_the_unit_s
     assert others == {"node_systemd_unit_state"}  # node_exporter's systemd collector
 
 
+def test_the_metrics_table_of_the_docs_names_exactly_what_is_exported(sim):
+    """The names the rules and the dashboard rely on are the documented ones."""
+    table = (REPO / "docs" / "operations.md").read_text()
+    documented = set(re.findall(r"^\| `(charly_arbiter_\w+)` \|", table, re.MULTILINE))
+    assert documented == exported_names(sim.cli("metrics", check=True).stdout)
+
+
 def test_a_rewrite_of_an_unchanged_state_differs_only_in_its_timestamp(sim, tmp_path) -> None:
     """What lets Scrapes.rewritten reuse a file for the minutes nothing happens."""
     sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", check=True)
