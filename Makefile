@@ -24,6 +24,8 @@ BASHCOMPDIR ?= $(PREFIX)/share/bash-completion/completions
 ZSHCOMPDIR ?= $(PREFIX)/share/zsh/site-functions
 FISHCOMPDIR ?= $(PREFIX)/share/fish/vendor_completions.d
 DOCDIR ?= $(PREFIX)/share/doc/charly-arbiter
+# Files for other programs to read: the Prometheus alerting rules, the Grafana dashboard.
+PKGDATADIR ?= $(PREFIX)/share/charly-arbiter
 # Cockpit finds packages in $(datadir)/cockpit (/usr/share or /usr/local/share).
 COCKPITDIR ?= $(PREFIX)/share/cockpit/charly-arbiter
 COCKPIT_FILES := $(wildcard cockpit/*.html cockpit/*.js cockpit/*.css cockpit/manifest.json)
@@ -104,6 +106,9 @@ install-data: man completions
 	install -m 0644 $(BUILDDIR)/completions/$(NAME).bash $(DESTDIR)$(BASHCOMPDIR)/$(NAME)
 	install -m 0644 $(BUILDDIR)/completions/_$(NAME) $(DESTDIR)$(ZSHCOMPDIR)/_$(NAME)
 	install -m 0644 $(BUILDDIR)/completions/$(NAME).fish $(DESTDIR)$(FISHCOMPDIR)/$(NAME).fish
+	install -d -m 0755 $(DESTDIR)$(PKGDATADIR)/prometheus $(DESTDIR)$(PKGDATADIR)/grafana
+	install -m 0644 etc/prometheus/$(NAME).rules.yml $(DESTDIR)$(PKGDATADIR)/prometheus/
+	install -m 0644 etc/grafana/$(NAME).json $(DESTDIR)$(PKGDATADIR)/grafana/
 
 # The GPUs page: plain files, no build step (docs/cockpit.md says why).
 install-cockpit:

@@ -5,7 +5,10 @@ Written with prometheus-client's own text exposition writer over a private
 for node_exporter's textfile collector or stdout.  Gauges come from
 `Arbiter.status`; counters are counted from the history log.  That log is
 rotated by size, so a counter can go down after a rotation: Prometheus'
-`rate()` and `increase()` take that as a counter reset, which is what it is.
+`rate()` and `increase()` take that as a counter reset, which is what it is
+(the shipped alerting rules ignore a window that holds one).  The output ends
+with the time it was made, so an alert can tell a file nobody rewrites any
+more (node_exporter keeps serving it) from a quiet host.
 
 prometheus-client is optional (the `metrics` extra, Debian's
 python3-prometheus-client) and imported only here, only when asked for.
@@ -14,6 +17,7 @@ python3-prometheus-client) and imported only here, only when asked for.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -37,22 +41,25 @@ class MetricsUnavailable(ArbiterError):
 
 
 def exposition(status: Status, history: Sequence[Record], skipped_lines: int = 0) -> bytes:
-    """The Prometheus text format for this state and history."""
+    """The Prometheus text format for this state and history, stamped with the time now."""
     try:
         from prometheus_client import CollectorRegistry, generate_latest
     except ImportError:
         raise MetricsUnavailable() from None
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_Collector(status, history, skipped_lines))
+    registry.register(_Collector(status, history, skipped_lines, time.time()))
     data: bytes = generate_latest(registry)
     return data
 
 
 class _Collector:
-    def __init__(self, status: Status, history: Sequence[Record], skipped_lines: int) -> None:
+    def __init__(
+        self, status: Status, history: Sequence[Record], skipped_lines: int, made: float
+    ) -> None:
         self.status = status
         self.history = history
         self.skipped_lines = skipped_lines
+        self.made = made
 
     def describe(self) -> list[Any]:
         return []  # families are known only when collected; nothing to check up front
@@ -169,6 +176,13 @@ class _Collector:
             f"{PREFIX}_history_skipped_lines",
             "Torn or unreadable lines skipped in the history log.",
             value=self.skipped_lines,
+        )
+
+        # Made after the state above was read: that state is at least this old.
+        yield GaugeMetricFamily(
+            f"{PREFIX}_metrics_generated_timestamp_seconds",
+            "When `charly-arbiter metrics` made these metrics (Unix time); stale when it lags.",
+            value=self.made,
         )
 
 

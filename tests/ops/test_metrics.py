@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import stat
+import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -75,6 +76,19 @@ def test_metrics_show_a_stranded_claimant_and_a_poisoned_token(sim):
     assert value(samples, "charly_arbiter_token_poisoned", token="gpu0") == 1
     assert value(samples, "charly_arbiter_token_poisoned", token="gpu1") == 0
     assert value(samples, "charly_arbiter_switch_failures_total", token="gpu0") == 1
+
+
+def test_metrics_say_when_they_were_made_even_on_a_corrupt_ledger(sim):
+    """The time an alert measures staleness by: made while the command ran."""
+    sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", check=True)
+    (sim.state_dir / "ledger.toml").write_text("not a ledger\n")
+    before = time.time()
+    result = sim.cli("metrics")
+    after = time.time()
+    assert result.returncode == 0, result.stderr
+    samples = parse(result.stdout)
+    assert value(samples, "charly_arbiter_ledger_corrupt") == 1
+    assert before < value(samples, "charly_arbiter_metrics_generated_timestamp_seconds") < after
 
 
 def test_metrics_output_replaces_the_file_atomically_and_readably(sim, tmp_path):

@@ -90,6 +90,8 @@ def test_installs_with_apt_and_runs_on_debian_libraries(chroot: Chroot, deb: Deb
         "/usr/share/zsh/vendor-completions/_charly-arbiter",
         "/usr/share/fish/vendor_completions.d/charly-arbiter.fish",
         "/usr/lib/tmpfiles.d/charly-arbiter.conf",
+        "/usr/share/charly-arbiter/prometheus/charly-arbiter.rules.yml",
+        "/usr/share/charly-arbiter/grafana/charly-arbiter.json",
     ):
         assert chroot.path(path).is_file(), f"{path} is missing"
 

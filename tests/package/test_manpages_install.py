@@ -135,6 +135,8 @@ def test_make_install_from_source_gives_a_working_layout(tmp_path: Path) -> None
         "share/bash-completion/completions/charly-arbiter",
         "share/zsh/site-functions/_charly-arbiter",
         "share/fish/vendor_completions.d/charly-arbiter.fish",
+        "share/charly-arbiter/prometheus/charly-arbiter.rules.yml",
+        "share/charly-arbiter/grafana/charly-arbiter.json",
     ):
         assert (prefix / path).is_file(), f"{path} is missing"
     packages = list(prefix.glob("lib/python3*/*-packages/charly_arbiter/__init__.py"))
