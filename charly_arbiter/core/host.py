@@ -25,6 +25,36 @@ NO_DRIVER = ""
 
 
 @dataclass(frozen=True)
+class Sriov:
+    """A physical function's SR-IOV side: how many virtual functions it can have,
+    and those it has now (the kernel's `virtfnN` links, in index order).
+
+    The count is the links, not `sriov_numvfs`: reading that attribute takes the
+    device lock, and blocks for as long as a change of the count is stuck in the
+    kernel (a VF held through VFIO), which would hang every command that looks at
+    the GPU.  While a teardown is under way the links go one by one, so `vfs` may
+    be fewer than the count the kernel will report once it is done.
+    """
+
+    total_vfs: int
+    vfs: tuple[str, ...] = ()
+
+    @property
+    def num_vfs(self) -> int:
+        return len(self.vfs)
+
+
+def sriov_enabled_why(count: int) -> str:
+    """Why vfio-pci did not take a physical function: its probe refuses one with
+    virtual functions ("Cannot bind to PF with SR-IOV enabled", seen on Linux 6.1),
+    which only the kernel's log says."""
+    return (
+        f"vfio-pci does not take a physical function with SR-IOV enabled ({count} virtual "
+        "function(s)); set its sriov_numvfs to 0 first"
+    )
+
+
+@dataclass(frozen=True)
 class PciFunction:
     address: str
     vendor: str  # "10de"
@@ -36,10 +66,20 @@ class PciFunction:
     # module index and the data file), worked out only where it is needed: for a
     # function found on vfio-pci or on no driver, whose home may be recorded nowhere.
     default_driver: str | None = None
+    # SR-IOV: a virtual function names its physical function (`physfn`); a function
+    # that can have virtual functions says how many and which (None: it cannot).
+    physfn: str | None = None
+    sriov: Sriov | None = None
 
     @property
     def is_display(self) -> bool:
         return self.pci_class.startswith("03")
+
+    @property
+    def is_virtual(self) -> bool:
+        """A virtual function: it exists only while its physical function has it
+        enabled, and is never a GPU of its own."""
+        return self.physfn is not None
 
 
 @dataclass(frozen=True)
@@ -52,6 +92,17 @@ class TokenSpec:
     home_driver: str | None = None  # from the configuration, when the operator set one
     cdi: bool = True
     console: str = "refuse"  # a GPU driving the console: refuse, or "release" the console
+
+    @property
+    def physical_function(self) -> str | None:
+        """For a token on a virtual function: the physical function it belongs to."""
+        primary = next((f for f in self.functions if f.address == self.address), None)
+        return primary.physfn if primary is not None else None
+
+    @property
+    def virtual_functions(self) -> tuple[str, ...]:
+        """The virtual functions the token's functions have enabled now."""
+        return tuple(vf for f in self.functions if f.sriov is not None for vf in f.sriov.vfs)
 
     def foreign_functions(self) -> tuple[PciFunction, ...]:
         """Members of the GPU's IOMMU group that are not functions of the GPU itself

@@ -40,3 +40,13 @@ def from_libvirt(domain: str, bus: str, slot: str, function: str) -> str:
         raise InvalidAddress(f"{domain}:{bus}:{slot}.{function}") from error
     dom, bus_no, slot_no, func = parts
     return parse_address(f"{dom:04x}:{bus_no:02x}:{slot_no:02x}.{func:x}")
+
+
+def vf_address(pf: str, index: int, offset: int = 1, stride: int = 1) -> str:
+    """Where the kernel puts a physical function's virtual function `index`: the PF's
+    routing id (bus << 8 | device << 3 | function) + offset + index * stride, as
+    pci_iov_virtfn_bus/devfn compute it from `sriov_offset` and `sriov_stride`."""
+    domain, bus, slot_function = parse_address(pf).split(":")
+    slot, function = slot_function.split(".")
+    rid = (int(bus, 16) << 8 | int(slot, 16) << 3 | int(function, 16)) + offset + index * stride
+    return f"{domain}:{rid >> 8:02x}:{(rid >> 3) & 0x1F:02x}.{rid & 7:x}"

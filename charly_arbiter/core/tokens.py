@@ -2,6 +2,10 @@
 
 A token is a GPU with every function of its IOMMU group: configured by name in
 arbiter.toml, or, without any, every detected GPU named after its address.
+An SR-IOV virtual function is a token only when configured (by its address):
+VFs come and go with their physical function's count, and which of them go to
+VMs is the operator's choice; unconfigured, a display-class VF would pass for
+a GPU of its own, and its physical function's token already knows it.
 Reading one means reading its group's functions and their drivers from the
 host, so the catalogue does it once and hands the same specs to everyone in
 the command (the hook's claim lookup, the claim itself, status).  `reread`
@@ -41,6 +45,8 @@ class TokenCatalogue:
                     )
             else:
                 for gpu in self.host.gpus():
+                    if gpu.is_virtual:
+                        continue
                     functions = tuple(self.host.token_functions(gpu.address, gpu.address))
                     specs[gpu.address] = TokenSpec(
                         gpu.address, gpu.address, functions, console=self.config.console

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from charly_arbiter.core.host import PciFunction
 from charly_arbiter.core.model import VFIO
 from charly_arbiter.core.pci import slot_of
 from charly_arbiter.host.local import LocalHost
@@ -23,6 +24,19 @@ from charly_arbiter.host.pcidata import function_nodes, pci_data
 from charly_arbiter.host.sysfs import BRIDGE_CLASS, SYS_ROOT
 
 DEFAULT_VM_MEMORY_MIB = 8192
+
+
+@dataclass(frozen=True)
+class SriovInfo:
+    """A physical function's SR-IOV capability, as `detect` shows it."""
+
+    total_vfs: int
+    num_vfs: int  # the virtfnN links (sriov_numvfs is not read: it can block)
+    vfs: tuple[str, ...]
+    offset: int | None  # routing-id offset of the first VF, and the stride between them
+    stride: int | None
+    vf_device: str | None  # the VFs' device id
+    drivers_autoprobe: bool | None  # whether new VFs are offered to drivers
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,8 @@ class FunctionInfo:
     # How the kernel can reset it (`reset_method`, Linux >= 5.15: "flr", "bus", ...);
     # "" when it cannot be reset at all, None when this kernel does not say.
     reset_method: str | None
+    physfn: str | None = None  # a virtual function's physical function
+    sriov: SriovInfo | None = None  # a function that can have virtual functions
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,8 @@ class GpuInfo:
     not_viable_because: tuple[str, ...]
     vfio_node: str | None
     vfio_node_accessible: bool | None
+    physfn: str | None = None  # a virtual function: not a GPU of its own
+    vfs: tuple[str, ...] = ()  # the virtual functions this GPU has enabled
 
 
 @dataclass(frozen=True)
@@ -111,6 +129,29 @@ def describe_function(host: LocalHost, address: str) -> FunctionInfo:
         nodes=tuple(sorted(nodes)),
         boot_vga=host.sysfs.attribute(address, "boot_vga") == "1",
         reset_method=_reset_method(host, address),
+        physfn=function.physfn,
+        sriov=_sriov_info(host, function),
+    )
+
+
+def _sriov_info(host: LocalHost, function: PciFunction) -> SriovInfo | None:
+    """The capability's other attributes, none of which takes the device lock."""
+    if function.sriov is None:
+        return None
+
+    def number(name: str) -> int | None:
+        value = host.sysfs.attribute(function.address, name)
+        return int(value) if value.isdigit() else None
+
+    autoprobe = host.sysfs.attribute(function.address, "sriov_drivers_autoprobe")
+    return SriovInfo(
+        total_vfs=function.sriov.total_vfs,
+        num_vfs=function.sriov.num_vfs,
+        vfs=function.sriov.vfs,
+        offset=number("sriov_offset"),
+        stride=number("sriov_stride"),
+        vf_device=host.sysfs.attribute(function.address, "sriov_vf_device") or None,
+        drivers_autoprobe={"1": True, "0": False}.get(autoprobe),
     )
 
 
@@ -153,6 +194,12 @@ def group_problems(functions: dict[str, FunctionInfo], gpu: FunctionInfo) -> lis
             )
         if member.boot_vga:
             problems.append(f"{address} is the boot display")
+    if gpu.sriov is not None and gpu.sriov.num_vfs:
+        problems.append(
+            f"it has {gpu.sriov.num_vfs} virtual function(s) enabled "
+            f"({', '.join(gpu.sriov.vfs)}): vfio-pci does not take a physical function "
+            "with SR-IOV enabled; pass a virtual function through, or set its sriov_numvfs to 0"
+        )
     return problems
 
 
@@ -239,6 +286,8 @@ def detect(host: LocalHost, vm_memory: int = DEFAULT_VM_MEMORY_MIB * 2**20) -> D
                     if node is not None and node.exists()
                     else None
                 ),
+                physfn=function.physfn,
+                vfs=function.sriov.vfs if function.sriov else (),
             )
         )
     return Detection(
@@ -265,6 +314,16 @@ def _reset_label(method: str | None) -> str:
     return f", reset {method.replace(' ', '/')}" if method else ", no reset method"
 
 
+def _sriov_label(function: FunctionInfo) -> str:
+    if function.physfn:
+        return f", virtual function of {function.physfn}"
+    sriov = function.sriov
+    if sriov is None:
+        return ""
+    vfs = f": {', '.join(sriov.vfs)}" if sriov.vfs else ""
+    return f", SR-IOV {sriov.num_vfs} of {sriov.total_vfs} VFs{vfs}"
+
+
 def render(detection: Detection) -> str:
     lines = ["PCI functions:"]
     for f in detection.functions:
@@ -275,6 +334,7 @@ def render(detection: Detection) -> str:
             + (f" with {', '.join(f.group_members)}" if f.group_members else "")
             + (f", nodes {', '.join(f.nodes)}" if f.nodes else "")
             + _reset_label(f.reset_method)
+            + _sriov_label(f)
         )
     lines += ["", "GPUs:"]
     if not detection.gpus:
@@ -290,6 +350,10 @@ def render(detection: Detection) -> str:
         if g.processes:
             details.append(f"processes {', '.join(map(str, g.processes))}")
         lines.append(f"  {g.address} {g.name} ({'; '.join(details)})")
+        if g.physfn:
+            lines.append(f"    a virtual function of {g.physfn}, not a GPU of its own")
+        if g.vfs:
+            lines.append(f"    its virtual functions: {', '.join(g.vfs)}")
         verdict = "viable for passthrough" if g.viable else "NOT viable for passthrough: "
         lines.append(f"    {verdict}{'; '.join(g.not_viable_because)}")
         if g.vfio_node:

@@ -153,17 +153,21 @@ class LocalHost:
         A GPU that fell off the bus (a reset it does not survive) reads all ones;
         the nvidia driver can bind a GPU it then fails to initialise, which NVML
         shows by not listing it.  Either is a failed switch: the token is poisoned
-        with what to try.
+        with what to try.  A virtual function's vendor id reads 0xffff by the SR-IOV
+        specification (seen on the real kernel, tests/kernel/test_sriov_kernel.py):
+        whether it answers shows on its physical function.
         """
         home = {address: driver for address, driver in targets.items() if driver != VFIO}
         for address, driver in sorted(home.items()):
-            if self.sysfs.config_vendor(address) == 0xFFFF:
+            physfn = self.sysfs.physfn(address)
+            if self.sysfs.config_vendor(physfn or address) == 0xFFFF:
+                whose = f"its physical function {physfn}'s" if physfn else "its"
                 raise SwitchFailed(
                     address,
                     target_label(driver),
                     "health check",
-                    "its configuration space reads 0xffff: the device does not answer; "
-                    f"try a reset (`echo 1 > {self.sysfs.device(address)}/reset`), "
+                    f"{whose} configuration space reads 0xffff: the device does not answer; "
+                    f"try a reset (`echo 1 > {self.sysfs.device(physfn or address)}/reset`), "
                     "else power the host off and on",
                 )
         on_nvidia = [address for address, driver in home.items() if driver == "nvidia"]

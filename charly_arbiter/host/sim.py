@@ -11,11 +11,17 @@ A device may list device nodes (`nodes = ["dri/card1"]`), files under
 found by the same /proc scan as on a real host (and always refuse a claim, as
 with `device_holder_policy = "refuse"`), and a character device there is known
 by its number, as a container runtime names it.
+
+A device with `sriov_totalvfs` is an SR-IOV physical function: `write_sysfs`
+models the kernel's `sriov_numvfs` and `sriov_drivers_autoprobe` (errors, the
+VFs made and removed, a teardown that blocks while a VF's VFIO device is held),
+and the VFs live in `state.json` only, so they are gone after `sim reboot`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -33,10 +39,13 @@ from charly_arbiter.core.host import (
     DeviceUser,
     Holder,
     PciFunction,
+    Sriov,
     TokenSpec,
     common_blocker,
+    sriov_enabled_why,
 )
 from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
+from charly_arbiter.core.pci import vf_address
 from charly_arbiter.errors import HolderError, HostError, SwitchFailed, SwitchHung
 from charly_arbiter.host.blocking import TimedOut, bounded
 from charly_arbiter.host.procscan import (
@@ -56,6 +65,7 @@ BRIDGE_CLASS = "0604"
 # The simulated host's processes (the CLI, the hooks) are real processes.
 PROC_ROOT = Path("/proc")
 STATE_LOCK_WAIT = 60.0
+HANG_POLL = 0.05  # how often a blocked teardown looks whether its fault was lifted
 
 
 class SimHost:
@@ -121,6 +131,10 @@ class SimHost:
             "unknown_alive": True,
             "cdi_generations": 0,
             "log": [],
+            # SR-IOV: the VFs there are now (address -> physfn, index, group, the driver
+            # they were created on), and each PF's sriov_drivers_autoprobe when not 1.
+            "vfs": {},
+            "autoprobe": {},
         }
 
     def snapshot(self) -> dict[str, Any]:
@@ -155,12 +169,15 @@ class SimHost:
     def _functions(self) -> list[PciFunction]:
         with self._state() as state:
             drivers = dict(state["drivers"])
+            vfs = dict(state.get("vfs", {}))
         result = []
-        for device in self._devices():
+        for device in [*self._devices(), *self._vf_devices(vfs)]:
             if str(device.get("class", "")).startswith(BRIDGE_CLASS):
                 continue
             address = device["address"]
             driver = drivers.get(address) or None
+            total = device.get("sriov_totalvfs")
+            links = sorted((v["index"], a) for a, v in vfs.items() if v["physfn"] == address)
             result.append(
                 PciFunction(
                     address=address,
@@ -173,14 +190,42 @@ class SimHost:
                     default_driver=_optional_str(device.get("default_driver"))
                     if driver in (None, VFIO)
                     else None,
+                    physfn=device.get("physfn"),
+                    sriov=Sriov(int(total), tuple(a for _, a in links)) if total else None,
                 )
             )
         return result
 
+    def _vf_devices(self, vfs: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The VFs as device entries: the PF's vendor and class, the VF device id."""
+        pfs = {d["address"]: d for d in self._devices()}
+        found = []
+        for address, vf in sorted(vfs.items()):
+            pf = pfs.get(vf["pf"], {})
+            found.append(
+                {
+                    "address": address,
+                    "vendor": pf.get("vendor", ""),
+                    "device": pf.get("sriov_vf_device", pf.get("device", "")),
+                    "class": pf.get("class", ""),
+                    "driver": vf["driver"],
+                    "iommu_group": vf["iommu_group"],
+                    "physfn": vf["physfn"],
+                }
+            )
+        return found
+
     def switch(self, token: TokenSpec, targets: Mapping[str, str]) -> None:
-        devices = {d["address"]: d for d in self._devices()}
+        with self._state() as state:
+            vfs = dict(state.get("vfs", {}))
+            autoprobe = dict(state.get("autoprobe", {}))
+        devices = {d["address"]: d for d in [*self._devices(), *self._vf_devices(vfs)]}
         for address, driver in targets.items():
             device = devices.get(address, {})
+            enabled = [vf for vf, v in vfs.items() if v["pf"] == address]
+            if driver == VFIO and enabled:
+                # vfio-pci's probe: "Cannot bind to PF with SR-IOV enabled" (-EBUSY).
+                raise SwitchFailed(address, VFIO, "verify", sriov_enabled_why(len(enabled)))
             if device.get("hang_switch"):
                 # Like unbinding nvidia while something holds it: the write never returns.
                 try:
@@ -195,6 +240,9 @@ class SimHost:
             for address, driver in targets.items():
                 home = devices.get(address, {}).get("driver", "")
                 new = driver if driver != NO_DRIVER else (home if home != VFIO else "")
+                pf = vfs[address]["pf"] if address in vfs else None
+                if pf is not None and driver == NO_DRIVER and not autoprobe.get(pf, True):
+                    new = ""  # a VF is probed only with its PF's autoprobe on
                 state["drivers"][address] = new
                 state["log"].append(f"switch {address} {new or '(none)'}")
         for address, driver in sorted(targets.items()):
@@ -391,6 +439,101 @@ class SimHost:
 
     def close(self) -> None:
         pass
+
+    # -- SR-IOV: the kernel's side of sriov_numvfs -------------------------------------
+
+    def write_sysfs(self, address: str, attribute: str, text: str) -> None:
+        """A write of `text` to bus/pci/devices/ADDRESS/ATTRIBUTE, as the kernel takes it
+        (raises OSError with its errno); only SR-IOV's writable attributes are modelled.
+
+        Like the kernel's, a write of `sriov_numvfs` can block: with the PF's
+        `hang_sriov_teardown` set, writing 0 stops at the first VF on vfio-pci (its
+        VFIO device held) until the flag is cleared in host.toml.  The caller bounds
+        it, as the arbiter bounds every write that can block.
+        """
+        pf = next((d for d in self._devices() if d["address"] == address), None)
+        if pf is None:
+            raise OSError(errno.ENOENT, f"there is no PCI device {address}")
+        if not pf.get("sriov_totalvfs") or attribute not in (
+            "sriov_numvfs",
+            "sriov_drivers_autoprobe",
+        ):
+            raise OSError(errno.EACCES, f"{address}/{attribute} cannot be written")
+        if attribute == "sriov_drivers_autoprobe":
+            flag = {"1": True, "y": True, "on": True, "0": False, "n": False, "off": False}
+            value = flag.get(text.strip().lower())
+            if value is None:
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+            with self._state() as state:
+                state.setdefault("autoprobe", {})[address] = value
+            return
+        self._store_numvfs(pf, text)
+
+    def _store_numvfs(self, pf: Mapping[str, Any], text: str) -> None:
+        """sriov_numvfs_store (drivers/pci/iov.c), with the errnos seen on Linux 6.1."""
+        address = pf["address"]
+        try:
+            count = int(text[:-1] if text.endswith("\n") else text, 0)
+        except ValueError:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL)) from None
+        if not 0 <= count < 2**16:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        if count > int(pf["sriov_totalvfs"]):
+            raise OSError(errno.ERANGE, os.strerror(errno.ERANGE))
+        with self._state() as state:
+            vfs = state.setdefault("vfs", {})
+            existing = sorted((v["index"], vf) for vf, v in vfs.items() if v["pf"] == address)
+            if count == len(existing):
+                return
+            if not state["drivers"].get(address):
+                raise OSError(errno.ENOENT, f"{address}: no driver bound; cannot configure SR-IOV")
+            if count and existing:
+                raise OSError(errno.EBUSY, f"{len(existing)} VFs already enabled; write 0 first")
+            if count:
+                self._enable_sriov(state, pf, count)
+                return
+        for _, vf in existing:
+            self._remove_vf(vf, pf)
+        with self._state() as state:
+            state["log"].append(f"sriov {address} 0")
+
+    def _enable_sriov(self, state: dict[str, Any], pf: Mapping[str, Any], count: int) -> None:
+        address = pf["address"]
+        autoprobe = state.get("autoprobe", {}).get(address, True)
+        driver = str(pf.get("sriov_vf_driver", "")) if autoprobe else ""
+        for index in range(count):
+            vf = vf_address(address, index, pf.get("sriov_offset", 1), pf.get("sriov_stride", 1))
+            taken = {str(d.get("iommu_group")) for d in self._devices()}
+            taken |= {str(v["iommu_group"]) for v in state["vfs"].values()}
+            group = next(str(n) for n in range(len(taken) + 1) if str(n) not in taken)
+            state["vfs"][vf] = {
+                "pf": address,
+                "physfn": address,
+                "index": index,
+                "iommu_group": group,
+                "driver": driver,
+            }
+            state["drivers"][vf] = driver
+        state["log"].append(f"sriov {address} {count}")
+
+    def _remove_vf(self, vf: str, pf: Mapping[str, Any]) -> None:
+        """pci_iov_remove_virtfn: the links go first; a VF whose VFIO device is held
+        blocks the removal there (its driver already unlinked) until it is let go."""
+        with self._state() as state:
+            held = state["drivers"].get(vf) == VFIO
+            state["vfs"][vf]["physfn"] = None
+            state["vfs"][vf]["index"] = -1  # its virtfn link is gone
+            state["drivers"][vf] = ""
+        if held:
+            while self._hangs(pf["address"]):
+                time.sleep(HANG_POLL)
+        with self._state() as state:
+            del state["vfs"][vf]
+            del state["drivers"][vf]
+
+    def _hangs(self, address: str) -> bool:
+        device = next((d for d in self._devices() if d["address"] == address), {})
+        return bool(device.get("hang_sriov_teardown"))
 
     # -- simulation controls (the `sim` commands) ----------------------------------------
 

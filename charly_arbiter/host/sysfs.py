@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from charly_arbiter.core.host import NO_DRIVER, PciFunction
+from charly_arbiter.core.host import NO_DRIVER, PciFunction, Sriov, sriov_enabled_why
 from charly_arbiter.core.model import VFIO, target_label
 from charly_arbiter.core.pci import parse_address
 from charly_arbiter.errors import HostError, SwitchFailed, SwitchHung
@@ -148,17 +148,10 @@ class Sysfs:
         return int.from_bytes(raw, "little") if len(raw) == 2 else None
 
     def current_driver(self, address: str) -> str | None:
-        link = self.device(address) / "driver"
-        try:
-            return os.path.basename(os.readlink(link))
-        except OSError:
-            return None
+        return self._link_name(address, "driver")
 
     def iommu_group(self, address: str) -> str | None:
-        try:
-            return os.path.basename(os.readlink(self.device(address) / "iommu_group"))
-        except OSError:
-            return None
+        return self._link_name(address, "iommu_group")
 
     def group_addresses(self, group: str) -> list[str]:
         directory = self.iommu_groups / group / "devices"
@@ -166,6 +159,38 @@ class Sysfs:
             return sorted(entry.name for entry in directory.iterdir() if _is_address(entry.name))
         except OSError:
             return []
+
+    def physfn(self, address: str) -> str | None:
+        """The physical function of a virtual function (None: it is not one)."""
+        return self._link_name(address, "physfn")
+
+    def sriov(self, address: str) -> Sriov | None:
+        """A physical function's SR-IOV side (None: it has no SR-IOV capability).
+
+        The virtual functions are the `virtfnN` links; `sriov_numvfs` is never
+        read here, because reading it blocks while a change of the count is
+        stuck in the kernel (see `Sriov`).  `sriov_totalvfs` takes no lock.
+        """
+        total = self.attribute(address, "sriov_totalvfs")
+        if not total.isdigit():
+            return None
+        try:
+            names = os.listdir(self.device(address))
+        except OSError:
+            names = []
+        links = sorted(
+            (int(name[6:]), name)
+            for name in names
+            if name.startswith("virtfn") and name[6:].isdigit()
+        )
+        vfs = (self._link_name(address, name) for _, name in links)
+        return Sriov(int(total), tuple(vf for vf in vfs if vf is not None))
+
+    def _link_name(self, address: str, link: str) -> str | None:
+        try:
+            return os.path.basename(os.readlink(self.device(address) / link))
+        except OSError:
+            return None
 
     def function(self, address: str) -> PciFunction:
         if not self.exists(address):
@@ -177,6 +202,8 @@ class Sysfs:
             pci_class=self.attribute(address, "class").removeprefix("0x"),
             driver=self.current_driver(address),
             iommu_group=self.iommu_group(address),
+            physfn=self.physfn(address),
+            sriov=self.sriov(address),
         )
 
     def group_functions(self, address: str) -> list[PciFunction]:
@@ -356,6 +383,9 @@ class Switcher:
             time.sleep(_POLL)
         if not _arrived(current, target):
             why = f"the device is bound to {current}" if current else "no driver took the device"
+            sriov = self.sysfs.sriov(address) if target == VFIO and current is None else None
+            if sriov is not None and sriov.vfs:
+                why = sriov_enabled_why(sriov.num_vfs)
             raise SwitchFailed(address, target_label(target), "verify", why)
         raise SwitchFailed(address, VFIO, "verify", f"{node} did not appear")
 

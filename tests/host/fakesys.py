@@ -27,6 +27,34 @@ real host:
 
 Per-driver flags make a probe fail (silently, as `drivers_probe` does) or an
 unbind hang; unloading a driver unbinds its devices first.
+
+SR-IOV (drivers/pci/iov.c, what tests/kernel/test_sriov_kernel.py saw Linux 6.1 do):
+a device with `sriov` is a physical function with `sriov_totalvfs`, `sriov_numvfs`,
+`sriov_offset`, `sriov_stride`, `sriov_vf_device` and `sriov_drivers_autoprobe`;
+
+- writing N to `sriov_numvfs` creates N virtual functions at the routing ids the
+  offset and stride give, each with a `physfn` link, a `virtfnI` link on the PF,
+  and an IOMMU group of its own (the lowest free number, as the kernel's ida
+  gives); their vendor id in configuration space reads 0xffff (the SR-IOV
+  specification; QEMU's VFs do the same).  Text that is not a number: EINVAL;
+  more than `sriov_totalvfs`: ERANGE; the count it has already: nothing; no
+  driver on the PF: ENOENT; another count while VFs exist: EBUSY (the kernel
+  wants 0 first);
+- a VF is probed only with its PF's `sriov_drivers_autoprobe` on, or with a
+  `driver_override` (pci_device_can_probe); new VFs go to their native driver
+  when autoprobe is on;
+- writing 0 removes them in index order, each as the kernel does: its `virtfnI`
+  and `physfn` links, then its driver (links, /dev/vfio/N), then the device and
+  its group.  A VF whose VFIO device a process holds (`hold_vfio_device`, a real
+  process) blocks the write there until that process is gone, and while it
+  blocks a read of `sriov_numvfs` blocks too (the kernel's device lock: here
+  the file becomes a pipe with no data); an unbind of vfio-pci from that VF
+  blocks the same way.  A process that holds only the group file blocks nothing;
+- vfio-pci refuses a physical function whose VFs exist (EBUSY; silently for
+  `drivers_probe`), and unbinding a PF's driver leaves its VFs in place.
+
+The SR-IOV state lives in the tree only, so a write made in a helper process
+(`blocking.ChildWriter`) is seen by this one.
 """
 
 from __future__ import annotations
@@ -34,8 +62,22 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from charly_arbiter.core.pci import vf_address
+
+
+@dataclass
+class FakeSriov:
+    """A physical function's SR-IOV capability."""
+
+    total_vfs: int
+    vf_device: str  # the VFs' device id
+    vf_native: str | None = None  # the driver new VFs go to with autoprobe on
+    offset: int = 1
+    stride: int = 1
 
 
 @dataclass
@@ -50,6 +92,8 @@ class FakeDevice:
     drm: tuple[str, ...] = ()  # e.g. ("card0", "renderD128") while bound to `native`
     reset_method: str | None = "flr bus"  # None: a kernel older than 5.15 has no file
     framebuffer: str | None = None  # e.g. "fb0": the DRM driver's fbdev, while `native`
+    sriov: FakeSriov | None = None  # a physical function
+    physfn: str | None = None  # a virtual function (made by a write of sriov_numvfs)
 
 
 @dataclass
@@ -110,13 +154,13 @@ class FakeKernel:
         driver (which then takes the unbound devices it matches), else nothing."""
         if driver in self.installed and driver not in self.loaded:
             self.load(driver)
-            for address in self.devices:
+            for address in self.present():
                 if self.driver_of(address) is None and self._matches(driver, address):
                     self._bind(address, driver)
 
     def unload(self, driver: str) -> None:
         """Like rmmod: the driver lets go of its devices, then its directory goes."""
-        for address in self.devices:
+        for address in self.present():
             if self.driver_of(address) == driver:
                 self._unbind(address)
         self.loaded.discard(driver)
@@ -128,6 +172,11 @@ class FakeKernel:
 
     def add(self, device: FakeDevice) -> None:
         self.devices[device.address] = device
+        self._create(device)
+        if device.native in self.loaded:
+            self._bind(device.address, device.native)
+
+    def _create(self, device: FakeDevice) -> None:
         real = self.sys / "devices" / "pci0000:00" / device.address
         real.mkdir(parents=True)
         (real / "vendor").write_text(f"0x{device.vendor}\n")
@@ -142,6 +191,8 @@ class FakeKernel:
         config = int(device.vendor, 16).to_bytes(2, "little") + int(device.device, 16).to_bytes(
             2, "little"
         )
+        if device.physfn is not None:
+            config = b"\xff" * 4  # a VF's vendor and device id registers (SR-IOV 3.4.1.1)
         (real / "config").write_bytes(config + bytes(60))
         if device.boot_vga:
             (real / "boot_vga").write_text("1\n")
@@ -153,8 +204,19 @@ class FakeKernel:
             group.mkdir(parents=True, exist_ok=True)
             os.symlink(f"../../../../devices/pci0000:00/{device.address}", group / device.address)
             os.symlink(f"../../../kernel/iommu_groups/{device.group}", real / "iommu_group")
-        if device.native in self.loaded:
-            self._bind(device.address, device.native)
+        if device.sriov is not None:
+            sriov = device.sriov
+            for name, value in (
+                ("sriov_totalvfs", sriov.total_vfs),
+                ("sriov_numvfs", 0),
+                ("sriov_offset", sriov.offset),
+                ("sriov_stride", sriov.stride),
+                ("sriov_vf_device", sriov.vf_device),
+                ("sriov_drivers_autoprobe", 1),
+            ):
+                (real / name).write_text(f"{value}\n")
+        if device.physfn is not None:
+            os.symlink(f"../{device.physfn}", real / "physfn")
 
     def device_dir(self, address: str) -> Path:
         return self.sys / "bus/pci/devices" / address
@@ -166,7 +228,56 @@ class FakeKernel:
             return None
 
     def drivers(self) -> dict[str, str | None]:
-        return {address: self.driver_of(address) for address in self.devices}
+        return {address: self.driver_of(address) for address in self.present()}
+
+    def present(self) -> dict[str, FakeDevice]:
+        """Every device there is now: those added, and the VFs the tree has."""
+        found = dict(self.devices)
+        for pf in self.devices.values():
+            for index in range(pf.sriov.total_vfs if pf.sriov else 0):
+                vf = self.vf_address(pf.address, index)
+                if self.device_dir(vf).is_symlink():
+                    found[vf] = self._vf(pf, index)
+        return found
+
+    def vf_address(self, pf: str, index: int) -> str:
+        sriov = self.devices[pf].sriov
+        assert sriov is not None
+        return vf_address(pf, index, sriov.offset, sriov.stride)
+
+    def _vf(self, pf: FakeDevice, index: int) -> FakeDevice:
+        assert pf.sriov is not None
+        address = self.vf_address(pf.address, index)
+        try:
+            group: str | None = os.path.basename(
+                os.readlink(self.device_dir(address) / "iommu_group")
+            )
+        except OSError:
+            group = None
+        return FakeDevice(
+            address,
+            pf.vendor,
+            pf.sriov.vf_device,
+            pf.pci_class,
+            pf.sriov.vf_native,
+            group,
+            reset_method="flr",
+            physfn=pf.address,
+        )
+
+    def vfs(self, pf: str) -> list[str]:
+        """The VFs of `pf` whose devices exist now (whatever links are left)."""
+        return [a for a, d in self.present().items() if d.physfn == pf]
+
+    def hold_vfio_device(self, address: str, pid: int) -> None:
+        """Process `pid` holds this VF's VFIO device fd, as QEMU does (the group set
+        to a container, the IOMMU type set, the device fd got).  Kept in the tree
+        (a helper process makes the writes) and ended by the process's exit."""
+        if self.driver_of(address) != "vfio-pci":
+            raise AssertionError(f"{address} is not on vfio-pci: no VFIO device to hold")
+        held = self.root / "vfio-held"
+        held.mkdir(exist_ok=True)
+        (held / address).write_text(str(pid))
 
     # -- the kernel's side of the writes ---------------------------------------------
 
@@ -190,6 +301,13 @@ class FakeKernel:
             self._store_new_id(owner.name, text)
         elif owner == self._bus() and attribute == "drivers_probe":
             self._store_probe(_device_name(text))
+        elif owner.parent == self._real_devices() and attribute == "sriov_numvfs":
+            self._store_numvfs(owner.name, text)
+        elif owner.parent == self._real_devices() and attribute == "sriov_drivers_autoprobe":
+            value = {"1": "1", "y": "1", "on": "1", "0": "0", "n": "0", "off": "0"}
+            if text.strip().lower() not in value:  # kstrtobool
+                raise _error(errno.EINVAL, path)
+            path.write_text(value[text.strip().lower()] + "\n")
         elif owner.parent == (self.sys / "class/vtconsole").resolve() and attribute == "bind":
             if text.strip() not in ("0", "1"):
                 raise _error(errno.EINVAL, path)
@@ -211,20 +329,152 @@ class FakeKernel:
         path.write_text((value or "(null)") + "\n")
 
     def _store_unbind(self, driver: str, address: str) -> None:
-        if address not in self.devices or self.driver_of(address) != driver:
+        if address not in self.present() or self.driver_of(address) != driver:
             raise _error(errno.ENODEV)
         if driver in self.hang_unbind:
             self.release.wait()  # blocks like nvidia's remove with a user left
+        if driver == "vfio-pci" and self._vfio_holder(address) is not None:
+            self._unbind_links(address, driver)  # gone before vfio_pci_remove blocks
+            self._wait_for_vfio_holder(address)
+            self._unbind_effects(address, driver)
+            return
         self._unbind(address)
 
     def _store_bind(self, driver: str, address: str) -> None:
-        if address not in self.devices or not self._matches(driver, address):
+        if address not in self.present() or not self._matches(driver, address):
             raise _error(errno.ENODEV)
         if self.driver_of(address) is not None:
             raise _error(errno.EBUSY)
+        if not self._can_probe(address):
+            raise _error(errno.ENODEV)
         if driver in self.refuse_probe:
             raise _error(errno.ENODEV)
+        if self._refuses(driver, address):
+            raise _error(errno.EBUSY)
         self._bind(address, driver)
+
+    def _refuses(self, driver: str, address: str) -> bool:
+        """vfio-pci: "Cannot bind to PF with SR-IOV enabled" (vfio_pci_core)."""
+        return driver == "vfio-pci" and bool(self.vfs(address))
+
+    def _can_probe(self, address: str) -> bool:
+        """pci_device_can_probe: a VF only with its PF's autoprobe on, or an override."""
+        physfn = self.present()[address].physfn
+        if physfn is None:
+            return True
+        autoprobe = (self.device_dir(physfn) / "sriov_drivers_autoprobe").read_text().strip()
+        override = (self.device_dir(address) / "driver_override").read_text().strip()
+        return autoprobe == "1" or override not in ("", "(null)")
+
+    # -- SR-IOV ------------------------------------------------------------------------
+
+    def _store_numvfs(self, pf: str, text: str) -> None:
+        """sriov_numvfs_store (drivers/pci/iov.c)."""
+        device = self.devices.get(pf)
+        if device is None or device.sriov is None:
+            raise _error(errno.EACCES)  # no such attribute: the open fails
+        try:
+            count = int(text[:-1] if text.endswith("\n") else text, 0)  # kstrtou16
+        except ValueError:
+            raise _error(errno.EINVAL) from None
+        if not 0 <= count < 2**16:
+            raise _error(errno.EINVAL)
+        if count > device.sriov.total_vfs:
+            raise _error(errno.ERANGE)
+        existing = self.vfs(pf)
+        if count == len(existing):
+            return
+        if self.driver_of(pf) is None:
+            raise _error(errno.ENOENT)  # "no driver bound to device; cannot configure SR-IOV"
+        if count == 0:
+            self._disable_sriov(device)
+        elif existing:
+            raise _error(errno.EBUSY)  # "%d VFs already enabled. Disable before enabling"
+        else:
+            self._enable_sriov(device, count)
+
+    def _enable_sriov(self, pf: FakeDevice, count: int) -> None:
+        assert pf.sriov is not None
+        pf_dir = self.device_dir(pf.address).resolve()
+        autoprobe = (pf_dir / "sriov_drivers_autoprobe").read_text().strip() == "1"
+        for index in range(count):
+            vf = self._vf(pf, index)
+            vf.group = self._free_group()
+            self._create(vf)
+            os.symlink(f"../{vf.address}", pf_dir / f"virtfn{index}")
+            if autoprobe and vf.native in self.loaded and vf.native not in self.refuse_probe:
+                self._bind(vf.address, vf.native)
+        (pf_dir / "sriov_numvfs").write_text(f"{count}\n")
+
+    def _disable_sriov(self, pf: FakeDevice) -> None:
+        """sriov_disable: each VF in index order (pci_iov_remove_virtfn), then num_VFs = 0."""
+        pf_dir = self.device_dir(pf.address).resolve()
+        numvfs = pf_dir / "sriov_numvfs"
+        locked: int | None = None
+        try:
+            for index, vf in enumerate(self.vfs(pf.address)):
+                real = self.device_dir(vf).resolve()
+                (pf_dir / f"virtfn{index}").unlink(missing_ok=True)
+                (real / "physfn").unlink(missing_ok=True)
+                driver = self.driver_of(vf)
+                if driver is not None:
+                    self._unbind_links(vf, driver)
+                if driver == "vfio-pci" and self._vfio_holder(vf) is not None and locked is None:
+                    # The store holds the PF's device lock: readers of sriov_numvfs block.
+                    numvfs.unlink()
+                    os.mkfifo(numvfs)
+                    locked = os.open(numvfs, os.O_RDWR | os.O_NONBLOCK)
+                if driver == "vfio-pci":
+                    self._wait_for_vfio_holder(vf)
+                    self._unbind_effects(vf, driver)
+                elif driver is not None:
+                    self._unbind_effects(vf, driver)
+                self._remove(vf)
+        finally:
+            done = pf_dir / ".sriov_numvfs"
+            done.write_text("0\n")
+            os.replace(done, numvfs)
+            if locked is not None:
+                os.write(locked, b"0\n")  # what the blocked reader gets
+                os.close(locked)
+
+    def _vfio_holder(self, address: str) -> int | None:
+        try:
+            pid = int((self.root / "vfio-held" / address).read_text())
+        except (OSError, ValueError):
+            return None
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return None
+        return None if stat[stat.rindex(")") + 2] in "ZX" else pid
+
+    def _wait_for_vfio_holder(self, address: str) -> None:
+        """vfio_unregister_group_dev: "blocked until released by user"."""
+        deadline = time.monotonic() + 600  # a test that forgot its holder ends, one day
+        while self._vfio_holder(address) is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (self.root / "vfio-held" / address).unlink(missing_ok=True)
+
+    def _free_group(self) -> str:
+        """The lowest free IOMMU group number (iommu_group_alloc takes it from an ida)."""
+        taken = {int(p.name) for p in (self.sys / "kernel/iommu_groups").iterdir()}
+        return str(min(set(range(len(taken) + 1)) - taken))
+
+    def _remove(self, address: str) -> None:
+        """pci_stop_and_remove_bus_device: the device, its bus link and its group go."""
+        real = self.device_dir(address).resolve()
+        group = (
+            self.sys / "kernel/iommu_groups" / (os.path.basename(os.readlink(real / "iommu_group")))
+        )
+        (group / "devices" / address).unlink()
+        if not any((group / "devices").iterdir()):
+            (group / "devices").rmdir()
+            group.rmdir()
+        self.device_dir(address).unlink()
+        for entry in real.iterdir():
+            entry.unlink()
+        real.rmdir()
 
     def _store_new_id(self, driver: str, text: str) -> None:
         fields = text.split()
@@ -239,25 +489,33 @@ class FakeKernel:
         if (vendor, device) in known | natives:
             raise _error(errno.EEXIST)
         known.add((vendor, device))
-        for address in self.devices:
+        for address in self.present():
             unbound = self.driver_of(address) is None
-            if unbound and self._matches(driver, address) and driver not in self.refuse_probe:
+            if unbound and self._matches(driver, address) and self._takes(driver, address):
                 self._bind(address, driver)
 
+    def _takes(self, driver: str, address: str) -> bool:
+        """Whether a probe of `address` by `driver` succeeds."""
+        return (
+            driver not in self.refuse_probe
+            and self._can_probe(address)
+            and not self._refuses(driver, address)
+        )
+
     def _store_probe(self, address: str) -> None:
-        if address not in self.devices:
+        if address not in self.present():
             raise _error(errno.ENODEV)
         if self.driver_of(address) is not None:
             return
         for driver in sorted(self.loaded):
-            if self._matches(driver, address) and driver not in self.refuse_probe:
+            if self._matches(driver, address) and self._takes(driver, address):
                 self._bind(address, driver)
                 return
         # like the kernel: drivers_probe succeeds whether a driver took the device or not
 
     def _matches(self, driver: str, address: str) -> bool:
         """pci_match_device: the override decides alone; else the id table, then new_id's."""
-        device = self.devices[address]
+        device = self.present()[address]
         override = (self.device_dir(address) / "driver_override").read_text().strip()
         if override not in ("", "(null)"):
             return override == driver
@@ -274,7 +532,7 @@ class FakeKernel:
         return (self.sys / "bus/pci").resolve()
 
     def _bind(self, address: str, driver: str) -> None:
-        device = self.devices[address]
+        device = self.present()[address]
         real = self.device_dir(address).resolve()
         os.symlink(f"../../../bus/pci/drivers/{driver}", real / "driver")
         (self.sys / "bus/pci/drivers" / driver / address).symlink_to(real)
@@ -295,15 +553,24 @@ class FakeKernel:
             link.symlink_to(real / "graphics" / device.framebuffer)
 
     def _unbind(self, address: str) -> None:
-        device = self.devices[address]
-        real = self.device_dir(address).resolve()
         driver = self.driver_of(address)
+        assert driver is not None
+        self._unbind_links(address, driver)
+        self._unbind_effects(address, driver)
+
+    def _unbind_links(self, address: str, driver: str) -> None:
+        """driver_sysfs_remove: the links go before the driver's remove runs."""
+        real = self.device_dir(address).resolve()
         (real / "driver").unlink()
-        (self.sys / "bus/pci/drivers" / str(driver) / address).unlink()
+        (self.sys / "bus/pci/drivers" / driver / address).unlink()
+
+    def _unbind_effects(self, address: str, driver: str) -> None:
+        """What the driver's remove takes away: its nodes, its framebuffer."""
+        devices = self.present()
+        device = devices[address]
+        real = self.device_dir(address).resolve()
         if driver == "vfio-pci" and device.group is not None:
-            others = [
-                a for a, d in self.devices.items() if d.group == device.group and a != address
-            ]
+            others = [a for a, d in devices.items() if d.group == device.group and a != address]
             if not any(self.driver_of(a) == "vfio-pci" for a in others):
                 (self.dev / "vfio" / device.group).unlink(missing_ok=True)
         if driver == device.native:
@@ -366,3 +633,15 @@ class FakeProc:
         (directory / "information").write_text(
             f"Model: \t\t NVIDIA GeForce RTX 4090\nIRQ:   \t\t 160\nDevice Minor: \t {minor}\n"
         )
+
+
+def gpu_with_vfs(root: Path) -> FakeKernel:
+    """A GPU that can have two virtual functions (as Intel's Flex, AMD's MxGPU or an
+    NVIDIA data-centre GPU can have more): the PF at 0000:03:00.0 on i915 (group 20),
+    whose VFs would be 03:00.1 and 03:00.2 and go to i915 too when autoprobe is on;
+    and a plain GPU at 0000:0b:00.0 (group 13) beside it."""
+    kernel = FakeKernel(root, loaded={"vfio-pci", "i915"})
+    sriov = FakeSriov(total_vfs=2, vf_device="56c1", vf_native="i915")
+    kernel.add(FakeDevice("0000:03:00.0", "8086", "56c0", "038000", "i915", "20", sriov=sriov))
+    kernel.add(FakeDevice("0000:0b:00.0", "8086", "a780", "030000", "i915", "13", drm=("card0",)))
+    return kernel

@@ -16,6 +16,7 @@ CHARLY_ARBITER_TEST_CACHE), so later runs boot in seconds.
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import re
 import shlex
@@ -24,6 +25,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CACHE = Path(os.environ.get("CHARLY_ARBITER_TEST_CACHE", "/var/cache/charly-arbiter-tests"))
 QEMU = "/usr/bin/qemu-system-x86_64"
@@ -32,6 +34,20 @@ QEMU = "/usr/bin/qemu-system-x86_64"
 INITRAMFS_MODULES = ("virtio_pci", "9pnet_virtio", "9p")
 # What the guest loads from the unpacked kernel package once the host root is mounted.
 GUEST_MODULES = ("bochs", "snd-hda-intel", "vfio-pci", "vfio_iommu_type1")
+# `boot(..., devices=SRIOV_NVME)`: QEMU's emulated NVMe controller with SR-IOV, behind a
+# PCIe root port (SR-IOV needs a PCIe device), standing in for a GPU's physical function:
+# 0000:01:00.0, up to two virtual functions (01:00.1, 01:00.2), driver `nvme` (module
+# `nvme`, loaded by the scenario).  QEMU 7.2 wants a subsystem for SR-IOV, and
+# sriov_vq_flexible >= 2 * sriov_max_vfs, sriov_vi_flexible >= sriov_max_vfs.
+SRIOV_NVME = (
+    "-device",
+    "pcie-root-port,id=rp1,bus=pcie.0,chassis=1,slot=1,addr=03.0",
+    "-device",
+    "nvme-subsys,id=nvmesubsys0,nqn=charly-sriov",
+    "-device",
+    "nvme,serial=charly0,bus=rp1,subsys=nvmesubsys0,"
+    "sriov_max_vfs=2,sriov_vq_flexible=4,sriov_vi_flexible=2",
+)
 
 INIT = """#!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -214,13 +230,20 @@ def _build_initramfs(root: Path, version: str, busybox_deb: Path, target: Path) 
 
 
 def boot(
-    kernel: Kernel, results: Path, script: str, timeout: float = 300, repo: Path | None = None
+    kernel: Kernel,
+    results: Path,
+    script: str,
+    timeout: float = 300,
+    repo: Path | None = None,
+    devices: tuple[str, ...] = (),
 ) -> Boot:
     """Run `script` (sh) inside the guest with `results` mounted at /run/results.
 
     `repo`, when given, is shared read-only with the tag `repo`: the guest's
     /tmp is a tmpfs, so a checkout under the host's /tmp (as CI's may be) is
     hidden there, and `repo_mount_script` mounts it back at the same path.
+    `devices` are more QEMU options for devices at fixed addresses (SRIOV_NVME),
+    placed before the 9p devices take the free slots.
     Returns when the guest powers off; what the script wrote is in `results`.
     """
     results.mkdir(parents=True, exist_ok=True)
@@ -242,6 +265,7 @@ def boot(
         "bochs-display,addr=02.0,multifunction=on",
         "-device",
         "ich9-intel-hda,addr=02.1",
+        *devices,
         "-nographic",
         "-nodefaults",
         "-no-reboot",
@@ -270,3 +294,19 @@ def boot(
     return Boot(
         time.monotonic() - started, completed.stdout + completed.stderr, completed.returncode
     )
+
+
+def recorded(directory: Path, booted: Boot, name: str = "results.json") -> dict[str, Any]:
+    """What the guest's scenario wrote to `directory/name`, with the run's length, its
+    console log and the serial output; a clear failure when it wrote nothing."""
+    log = directory / "console.log"
+    console = log.read_text(errors="replace") if log.exists() else ""
+    results = directory / name
+    if not results.exists():
+        raise AssertionError(
+            f"the guest wrote no results (qemu exit {booted.returncode}):\n"
+            f"{booted.serial[-3000:]}\n{console[-3000:]}"
+        )
+    found: dict[str, Any] = json.loads(results.read_text())
+    found.update(boot_seconds=round(booted.seconds, 1), console=console, serial=booted.serial)
+    return found
