@@ -18,11 +18,12 @@ from charly_arbiter.ops.explain import Facts, explain_claimant, explain_token
 def explain(app: App, subject: str) -> None:
     """Explain a token's or a claimant's state in sentences, with the command that fixes it."""
     arbiter = app.arbiter()
-    is_claimant = ":" in subject
+    # A token first: one named after its address (no tokens configured) has colons too.
+    is_claimant = ":" in subject and subject not in arbiter.tokens.all()
     if is_claimant:
         subject = Claimant.parse(subject)
     else:
-        arbiter.tokens.resolve([subject])  # an unknown token is an error that lists the known ones
+        arbiter.tokens.resolve([subject])  # an unknown token: exit 2, listing the known ones
     status = arbiter.status()
     if status.corrupt:
         click.echo(f"The ledger is corrupt: {status.corrupt}.")
