@@ -16,6 +16,7 @@ from pathlib import Path
 
 import click
 
+from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App, claim_mode, mode_options
 from charly_arbiter.compose import real_kinds
 from charly_arbiter.core.config import (
@@ -50,7 +51,7 @@ UNIT_DIR_HELP = (
 )
 @click.option("--unit-dir", type=click.Path(path_type=Path, file_okay=False), help=UNIT_DIR_HELP)
 @click.argument("unit")
-@click.argument("tokens", nargs=-1, required=True)
+@click.argument("tokens", nargs=-1, required=True, shell_complete=complete.tokens)
 @click.pass_obj
 def attach(
     app: App,
@@ -98,7 +99,7 @@ def attach(
 
 @click.command()
 @click.option("--force", is_flag=True, help="Detach even though the unit holds a lease now.")
-@click.argument("unit")
+@click.argument("unit", shell_complete=complete.claimants)
 @click.pass_obj
 def detach(app: App, force: bool, unit: str) -> None:
     """Remove what `attach` wrote for systemd:UNIT (its drop-in and its holder record)."""

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App, claim_mode, interruption_report, mode_options
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.model import Claimant, Lease
@@ -23,8 +24,8 @@ from charly_arbiter.errors import ArbiterError, cli_command
     default=None,
     help="Seconds to wait for a release under way (default: timeouts.claim_wait).",
 )
-@click.argument("claimant")
-@click.argument("tokens", nargs=-1, required=True)
+@click.argument("claimant", shell_complete=complete.claimants)
+@click.argument("tokens", nargs=-1, required=True, shell_complete=complete.tokens)
 @click.pass_obj
 def acquire(
     app: App,
@@ -58,7 +59,7 @@ def acquire(
 @click.option(
     "--force", is_flag=True, help="Release even though the claimant still runs (it loses the GPU)."
 )
-@click.argument("claimant")
+@click.argument("claimant", shell_complete=complete.claimants)
 @click.pass_obj
 def release(app: App, failed: bool, force: bool, claimant: str) -> None:
     """Release CLAIMANT's lease; the last lease on a GPU sends it home.
@@ -81,7 +82,7 @@ def release(app: App, failed: bool, force: bool, claimant: str) -> None:
 @click.option("--dry-run", is_flag=True, help="Only say which claimants would be restored.")
 @click.option("--force", is_flag=True, help="Restore named claimants even though they still run.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
-@click.argument("claimants", nargs=-1)
+@click.argument("claimants", nargs=-1, shell_complete=complete.claimants)
 @click.pass_obj
 def restore(
     app: App, stranded: bool, dry_run: bool, force: bool, as_json: bool, claimants: tuple[str]

@@ -235,10 +235,12 @@ HOOKS = ("hook qemu", "hook oci", "hook oci-inject")
 
 def rows(command: str) -> tuple[Exit, ...]:
     """The exits of `command` (its words after `charly-arbiter`), with those every
-    command of the CLI shares, by code."""
-    own = TABLE[command]
+    command of the CLI shares: one row per code, in order."""
     shared = () if command in HOOKS else EVERY_COMMAND
-    return tuple(sorted((*own, *shared), key=lambda row: row.code))
+    merged: dict[int, list[str]] = {}
+    for row in (*TABLE[command], *shared):
+        merged.setdefault(row.code, []).append(row.when)
+    return tuple(Exit(code, "; ".join(merged[code])) for code in sorted(merged))
 
 
 def markdown() -> str:
@@ -259,3 +261,19 @@ def markdown() -> str:
         + " |"
     )
     return "\n".join(lines) + "\n"
+
+
+DOC_BEGIN = (
+    "<!-- exit-table: from charly_arbiter/cli/exits.py; "
+    "packaging/gen-manpages.py --exit-table rewrites it -->"
+)
+DOC_END = "<!-- /exit-table -->"
+
+
+def in_document(text: str) -> str:
+    """`text` (docs/operations.md) with the table between DOC_BEGIN and DOC_END made anew."""
+    head, begin, rest = text.partition(DOC_BEGIN)
+    _, end, tail = rest.partition(DOC_END)
+    if not begin or not end:
+        raise ValueError(f"the markers {DOC_BEGIN!r} and {DOC_END!r} are missing")
+    return head + DOC_BEGIN + "\n" + markdown() + DOC_END + tail

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 import click
 
+from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App
 from charly_arbiter.core.model import Claimant
 from charly_arbiter.ops import history
@@ -13,7 +14,7 @@ from charly_arbiter.ops.explain import Facts, explain_claimant, explain_token
 
 
 @click.command()
-@click.argument("subject", metavar="TOKEN|CLAIMANT")
+@click.argument("subject", metavar="TOKEN|CLAIMANT", shell_complete=complete.token_or_claimant)
 @click.pass_obj
 def explain(app: App, subject: str) -> None:
     """Explain a token's or a claimant's state in sentences, with the command that fixes it."""

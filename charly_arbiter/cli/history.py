@@ -6,6 +6,7 @@ import json
 
 import click
 
+from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App
 from charly_arbiter.core.events import describe
 from charly_arbiter.core.model import Claimant
@@ -13,8 +14,18 @@ from charly_arbiter.ops.history import HistoryLog, Record, interrupted, parse_si
 
 
 @click.command()
-@click.option("--token", metavar="TOKEN", help="Only what concerns this token.")
-@click.option("--claimant", metavar="KIND:NAME", help="Only what this claimant did or suffered.")
+@click.option(
+    "--token",
+    metavar="TOKEN",
+    help="Only what concerns this token.",
+    shell_complete=complete.tokens,
+)
+@click.option(
+    "--claimant",
+    metavar="KIND:NAME",
+    help="Only what this claimant did or suffered.",
+    shell_complete=complete.claimants,
+)
 @click.option("--since", metavar="WHEN", help="Only newer events: 30m, 2h, 1d, or an ISO time.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON array of events, for scripts.")
 @click.pass_obj

@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App, claim_mode, mode_options
 from charly_arbiter.compose import real_kinds
 from charly_arbiter.core.host import NO_DRIVER
@@ -26,8 +27,8 @@ from charly_arbiter.errors import ClaimRefused, NeedsHost, cli_command
 @mode_options
 @click.option("--transient", is_flag=True, help="Plan a transient claim.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
-@click.argument("claimant")
-@click.argument("tokens", nargs=-1)
+@click.argument("claimant", shell_complete=complete.claimants)
+@click.argument("tokens", nargs=-1, shell_complete=complete.tokens)
 @click.pass_obj
 def plan(
     app: App,

@@ -6,6 +6,7 @@ import json
 
 import click
 
+from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App, needs_subcommand
 
 
@@ -37,7 +38,7 @@ def list_poisoned(app: App, as_json: bool) -> None:
 
 @poison.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
-@click.argument("token")
+@click.argument("token", shell_complete=complete.tokens)
 @click.pass_obj
 def clear(app: App, as_json: bool, token: str) -> None:
     """Clear TOKEN's poison after checking the GPU and its driver by hand."""

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App, needs_subcommand
 from charly_arbiter.core.model import Claimant
 from charly_arbiter.errors import NeedsHost, Refused, cli_command
@@ -95,7 +96,7 @@ def show(app: App) -> None:
 
 
 @sim.command("stop")
-@click.argument("ref")
+@click.argument("ref", shell_complete=complete.claimants)
 @click.pass_obj
 def stop_holder(app: App, ref: str) -> None:
     """Mark a holder or claimant (KIND:NAME) as not running, as if it crashed."""
@@ -103,7 +104,7 @@ def stop_holder(app: App, ref: str) -> None:
 
 
 @sim.command("start")
-@click.argument("ref")
+@click.argument("ref", shell_complete=complete.claimants)
 @click.pass_obj
 def start_holder(app: App, ref: str) -> None:
     """Mark a holder or claimant (KIND:NAME) as running."""

@@ -173,7 +173,8 @@ class Claimant(str):
         rules = KINDS.get(kind)
         if rules is None:
             raise InvalidClaimant(text, f"the kind is one of {', '.join(CLAIMANT_KINDS)}")
-        if not name or len(name) > _MAX_NAME:
+        # (systemd's own bound is in bytes, and longer for units named after paths)
+        if not name or (kind != "systemd" and len(name) > _MAX_NAME):
             raise InvalidClaimant(text, f"the name must have 1 to {_MAX_NAME} characters")
         if any(unicodedata.category(c) in _UNSHOWABLE for c in name):
             raise InvalidClaimant(text, "the name contains control characters")

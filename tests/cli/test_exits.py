@@ -22,7 +22,7 @@ from simhosts import default_host
 
 from charly_arbiter.cli import COMMANDS
 from charly_arbiter.cli.app import build
-from charly_arbiter.cli.exits import EVERY_COMMAND, HOOKS, TABLE, rows
+from charly_arbiter.cli.exits import EVERY_COMMAND, HOOKS, TABLE, in_document, rows
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Lease, LeaseState, Mode, Poison
 from charly_arbiter.host.procscan import process_ref
@@ -467,3 +467,10 @@ def test_a_configuration_that_is_not_valid_exits_2(sim: SimEnv, command: str) ->
     result = sim.cli(*command.split())
     assert result.returncode == 2, result.stderr
     assert str(sim.config_path) in result.stderr
+
+
+def test_the_docs_show_the_table_this_module_holds() -> None:
+    """docs/operations.md's table is generated from cli/exits.py, never edited by hand
+    (`PYTHONPATH=. python3 packaging/gen-manpages.py --exit-table docs/operations.md`)."""
+    document = (REPO / "docs" / "operations.md").read_text()
+    assert in_document(document) == document
