@@ -128,10 +128,17 @@ class LazyGroup(click.Group):
                 ),
             )
             sys.exit(EXIT_ERROR)
-        except OSError as error:  # the host refused something on a file: say what, and the fix
-            path = Path(error.filename or ".")
-            why, fix = files.describe_os_error(path, error)
-            _report(ctx, ArbiterError(f"cannot use {path}: {why}", hint=fix))
+        except OSError as error:  # the host refused something: say what (on which file), the fix
+            if error.filename is None:
+                said = ArbiterError(
+                    f"the host refused it: {error.strerror or error}",
+                    hint="run the command again with -v to see where",
+                )
+            else:
+                path = Path(error.filename)
+                why, fix = files.describe_os_error(path, error)
+                said = ArbiterError(f"cannot use {path}: {why}", hint=fix)
+            _report(ctx, said)
             sys.exit(EXIT_ERROR)
         except Exception as error:  # the boundary: a plain sentence, a traceback with -v
             app = ctx.find_object(App)

@@ -110,7 +110,8 @@ def test_a_simulated_host_never_reaches_for_this_machines_files(tmp_path: Path) 
         str(path.relative_to(upper_lib / "upper")) for path in (upper_lib / "upper").rglob("*")
     )
     assert written == ["charly-arbiter", "charly-arbiter/sentinel"]
-    assert Path(f"{results}.varlib").read_text() == "sentinel\n"
+    # (what the real /var/lib/charly-arbiter holds shows through the overlay: not ours)
+    assert "sentinel" in Path(f"{results}.varlib").read_text().split()
     # The simulated host kept everything in its directory.
     assert (directory / "state" / "ledger.toml").is_file()
     assert (directory / "state" / "history.jsonl").is_file()
