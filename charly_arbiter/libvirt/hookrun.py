@@ -15,13 +15,14 @@ import logging
 from charly_arbiter.compose import (
     DETACHED,
     HookSession,
+    build_arbiter,
     spawn_finish_release,
 )
-from charly_arbiter.core.config import Config
+from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, Mode
 from charly_arbiter.core.planner import NO_POLICY, Policy
-from charly_arbiter.errors import Refused, cli_command
+from charly_arbiter.errors import InvalidClaimant, Refused, cli_command
 from charly_arbiter.host.markers import HOOK_DIR, marked
 from charly_arbiter.host.sysfs import Roots
 from charly_arbiter.libvirt.domainxml import (
@@ -45,9 +46,15 @@ def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
     facts = None if xml is None else parse_domain(xml, guest)
     if facts is not None and not facts.mentions_gpus:
         return 0
-    # A domain that may claim a GPU but whose name a claimant cannot have (libvirt
-    # allows a tab, the arbiter does not) fails closed: its start is refused (exit 2).
-    ref = Claimant.parse(f"libvirt:{guest}")
+    try:
+        ref = Claimant.parse(f"libvirt:{guest}")
+    except InvalidClaimant:
+        # A name no claimant can have (libvirt allows a tab, the arbiter does not): a
+        # domain that claims no GPU after all goes on; one that does fails closed, its
+        # start refused (exit 2).  A stop exits 0 at the boundary whatever happens.
+        if facts is not None and operation == "prepare" and _claim_of(facts) is None:
+            return 0
+        raise
     hook = HookRun(ref, guest)
     with marked(hook.config.state_dir, HOOK_DIR, str(ref)):
         try:
@@ -63,6 +70,18 @@ def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
             return hook.migrate(claim)
         finally:
             hook.close()
+
+
+def _claim_of(facts: DomainFacts) -> DomainClaim | None:
+    """The claim a domain's XML makes, asked without its name (no holder is asked)."""
+    config = load_config()
+    arbiter = build_arbiter(config)
+    try:
+        return resolve_claim(
+            facts, arbiter.tokens.token_for_address, lambda uuid: mdev_parent(Roots().sys, uuid)
+        )
+    finally:
+        arbiter.host.close()
 
 
 class HookRun(HookSession):

@@ -36,6 +36,7 @@ HOSTDEV = (
 )
 
 
+NIC = HOSTDEV.format(name="a b", bus="05")
 OCI_STATE = '{"id": "c", "status": "creating", "bundle": "{bundle}"}'
 OCI_CDI = (
     '{"id": "c", "status": "creating", "bundle": "{bundle}", '
@@ -170,6 +171,8 @@ CASES = [
     C("hook qemu", 0, ("hook", "qemu", "vm", "start", "begin", "-")),
     C("hook qemu", 0, ("hook", "qemu", "vm", "prepare", "begin", "-"), stdin="<domain/>"),
     C("hook qemu", 0, ("hook", "qemu", "vm", "release", "end", "-"), stdin=HOSTDEV, says=""),
+    # A domain that claims no GPU starts whatever its name (here a NIC at 0000:05:00.0).
+    C("hook qemu", 0, ("hook", "qemu", "a\tb", "prepare", "begin", "-"), stdin=NIC),
     C("hook qemu", 1, ("hook", "qemu", "vm", "prepare", "begin", "-"), stdin="<hostdev>"),
     C("hook qemu", 2, ("hook", "qemu", "vm"), says="usage"),
     C("hook qemu", 2, ("hook", "qemu", "a\tb", "prepare", "begin", "-"), stdin=HOSTDEV),

@@ -18,7 +18,7 @@ def hostile_sim(make_sim: Callable[..., SimEnv]) -> SimEnv:
     return make_sim(config=DEFAULT_CONFIG + "\n")
 
 
-@pytest.mark.parametrize("name", ["x" * 200, "虚拟机" * 30, "a b"])
+@pytest.mark.parametrize("name", ["x" * 200, "虚拟机" * 30, "虚拟机", "a b"])
 def test_long_and_wide_names_keep_the_status_columns(hostile_sim: SimEnv, name: str) -> None:
     sim = hostile_sim
     sim.cli("acquire", "--shared", "--", f"libvirt:{name}", "gpu0", check=True)
