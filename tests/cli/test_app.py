@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from clitools import FULL, READ_ONLY, interrupted_claim, ledger_locked, namespaced
 from simhosts import default_host
 
 from charly_arbiter.core.ledger import Ledger
@@ -45,23 +46,9 @@ def one_or_two_sentences(stderr: str, *needles: str) -> None:
 
 
 def in_namespace(setup: str, state_dir: Path, argv: list[str], env: dict[str, str]) -> str:
-    """`argv` in a mount namespace of its own, after `setup` (sh, $1 = the state dir)."""
+    """The CLI with `argv` in a mount namespace of its own, after `setup`: it fails (1)."""
     result = subprocess.run(
-        [
-            "/usr/bin/unshare",
-            "-m",
-            "--propagation",
-            "private",
-            "/bin/sh",
-            "-c",
-            f'{setup} && shift && exec "$@"',
-            "-",
-            str(state_dir),
-            sys.executable,
-            "-m",
-            "charly_arbiter",
-            *argv,
-        ],
+        namespaced(setup, state_dir, [sys.executable, "-m", "charly_arbiter", *argv]),
         capture_output=True,
         text=True,
         env=env,
@@ -73,13 +60,6 @@ def in_namespace(setup: str, state_dir: Path, argv: list[str], env: dict[str, st
     return result.stderr
 
 
-READ_ONLY = 'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1"'
-FULL = (
-    'mount -t tmpfs -o size=64k,mode=0700 tmpfs "$1" && '
-    '{ head -c 1M /dev/zero > "$1/filler" 2>/dev/null || true; }'
-)
-
-
 def test_a_read_only_state_directory_is_one_sentence_naming_it_and_the_fix(sim: SimEnv) -> None:
     sim.state_dir.mkdir(mode=0o700)
     argv = ["acquire", "--exclusive", "libvirt:win11", "gpu0"]
@@ -88,11 +68,17 @@ def test_a_read_only_state_directory_is_one_sentence_naming_it_and_the_fix(sim: 
     assert sim.host().snapshot()["log"] == []  # nothing was stopped or switched
     # doctor says so too, with the same fix.
     doctor = subprocess.run(
-        ["/usr/bin/unshare", "-m", "--propagation", "private", "/bin/sh", "-c",
-         f'{READ_ONLY} && shift && exec "$@"', "-", str(sim.state_dir), sys.executable, "-m",
-         "charly_arbiter", "doctor", "--hook", str(sim.config_path)],
-        capture_output=True, text=True, env=sim.env(), cwd=REPO, timeout=120,
-    )  # fmt: skip
+        namespaced(
+            READ_ONLY,
+            sim.state_dir,
+            [sys.executable, "-m", "charly_arbiter", "doctor", "--hook", str(sim.config_path)],
+        ),
+        capture_output=True,
+        text=True,
+        env=sim.env(),
+        cwd=REPO,
+        timeout=120,
+    )
     assert doctor.returncode == 1
     assert f"problem  state dir: {sim.state_dir} cannot be written: it is on a read-only" in (
         doctor.stdout
@@ -200,37 +186,12 @@ def hanging(make_sim: Callable[..., SimEnv]) -> SimEnv:
     return make_sim(host=default_host(gpu0="hang_switch = true"), config=config)
 
 
-def claim_then_signal(sim: SimEnv, signum: int, claimant: str = "libvirt:win11") -> str:
-    child = subprocess.Popen(
-        [sys.executable, "-m", "charly_arbiter", "acquire", "--exclusive", claimant, "gpu0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=sim.env(),
-        cwd=REPO,
-    )
-    history = sim.state_dir / "history.jsonl"
-    deadline = time.monotonic() + 60
-    while '"switching"' not in (history.read_text() if history.exists() else ""):
-        assert child.poll() is None and time.monotonic() < deadline, child.communicate()
-        time.sleep(0.05)
-    time.sleep(0.3)  # into the write that hangs
-    started = time.monotonic()
-    child.send_signal(signum)
-    stdout, stderr = child.communicate(timeout=60)
-    assert time.monotonic() - started < 10, "the signal ended the command at once"
-    assert child.returncode == 1, stderr
-    assert stdout == ""
-    # Before them, the progress lines of the steps it made (stderr is not a terminal).
-    return "\n".join(stderr.strip().splitlines()[-2:])
-
-
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_during_a_hung_switch_poisons_and_says_what_was_left(
     hanging: SimEnv, signum: int
 ) -> None:
     sim = hanging
-    stderr = claim_then_signal(sim, signum)
+    stderr = interrupted_claim(sim, "libvirt:win11", signum)
     name = signal.Signals(signum).name
     one_or_two_sentences(
         stderr,
@@ -257,22 +218,7 @@ def test_a_signal_during_a_hung_switch_poisons_and_says_what_was_left(
 def test_a_signal_before_the_claim_began_says_nothing_was_left(sim: SimEnv) -> None:
     """Ctrl-C while the claim waits for the ledger lock (another process holds it): no
     lease was written, and the sentence says so."""
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\nfrom pathlib import Path\n"
-            "from charly_arbiter.core.ledger import Ledger\n"
-            "with Ledger(Path(sys.argv[1])).transaction():\n"
-            "    print('locked', flush=True)\n    time.sleep(120)\n",
-            str(sim.state_dir),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+    with ledger_locked(sim.state_dir):
         child = subprocess.Popen(
             [sys.executable, "-m", "charly_arbiter", "acquire", "--exclusive", "libvirt:w", "gpu0"],
             stdout=subprocess.PIPE,
@@ -284,9 +230,6 @@ def test_a_signal_before_the_claim_began_says_nothing_was_left(sim: SimEnv) -> N
         time.sleep(1.5)  # started, and polling the lock (lock_wait is 20 s)
         child.send_signal(signal.SIGINT)
         stdout, stderr = child.communicate(timeout=60)
-    finally:
-        holder.kill()
-        holder.wait()
     assert child.returncode == 1 and stdout == ""
     one_or_two_sentences(stderr, "interrupted by SIGINT", "libvirt:w holds no lease now")
     assert Ledger(sim.state_dir).read().leases == ()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import click
 import pytest
+from clitools import READ_ONLY, ledger_locked, namespaced
 from simhosts import default_host
 
 from charly_arbiter.cli import COMMANDS
@@ -253,26 +254,8 @@ def _lock_held(sim: SimEnv) -> Iterator[None]:
     sim.config_path.write_text(
         sim.config_path.read_text().replace("lock_wait = 20", "lock_wait = 0.5")
     )
-    holder = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import sys, time\nfrom pathlib import Path\n"
-            "from charly_arbiter.core.ledger import Ledger\n"
-            "with Ledger(Path(sys.argv[1])).transaction():\n"
-            "    print('locked', flush=True)\n    time.sleep(120)\n",
-            str(sim.state_dir),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+    with ledger_locked(sim.state_dir):
         yield
-    finally:
-        holder.kill()
-        holder.wait()
 
 
 def _read_only(sim: SimEnv) -> None:
@@ -371,19 +354,7 @@ def _run(sim: SimEnv, case: Case) -> subprocess.CompletedProcess[str]:
     if case.setup == "read_only":
         # A read-only bind mount of the state directory, in a mount namespace of
         # this process's own (unshare -m): the kernel answers EROFS for real.
-        state = str(sim.state_dir)
-        command = [
-            "/usr/bin/unshare",
-            "-m",
-            "--propagation",
-            "private",
-            "/bin/sh",
-            "-c",
-            'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && shift && exec "$@"',
-            "-",
-            state,
-            *command,
-        ]
+        command = namespaced(READ_ONLY, sim.state_dir, command)
     return subprocess.run(
         command,
         input=_stdin(sim, case),

@@ -17,12 +17,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
 import click
 import pytest
+from clitools import interrupted_claim
 from simhosts import default_host, gpu, holder
 
 from charly_arbiter.cli import COMMANDS
@@ -249,37 +249,12 @@ def test_a_ctrl_c_during_a_hung_switch_names_the_restore_and_the_poison_clear(
     make_sim: Callable[..., SimEnv],
 ) -> None:
     """Item 5 through a hostile name: the interrupted claim's hint runs as it reads."""
-    sim = make_sim(host=default_host(gpu0="hang_switch = true"), config=DEFAULT_CONFIG + "\n")
+    config = DEFAULT_CONFIG.replace("driver_switch = 2", "driver_switch = 60") + "\n"
+    sim = make_sim(host=default_host(gpu0="hang_switch = true"), config=config)
     ref = "libvirt:it's $(x) 虚拟机"
     said = interrupted_claim(sim, ref, signal.SIGINT)
     paths = check_hints(said, ref)
     assert ["restore"] in paths and ["poison", "clear"] in paths
-
-
-def interrupted_claim(sim: SimEnv, ref: str, signum: int) -> str:
-    """`acquire` of gpu0 (whose switch hangs), sent `signum` once it is switching."""
-    sim.config_path.write_text(
-        sim.config_path.read_text().replace("driver_switch = 2", "driver_switch = 60")
-    )
-    child = subprocess.Popen(
-        [sys.executable, "-m", "charly_arbiter", "acquire", "--exclusive", "--", ref, "gpu0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=sim.env(),
-        cwd=REPO,
-    )
-    history = sim.state_dir / "history.jsonl"
-    deadline = time.monotonic() + 60
-    while '"switching"' not in (history.read_text() if history.exists() else ""):
-        assert child.poll() is None and time.monotonic() < deadline, child.communicate()
-        time.sleep(0.05)
-    time.sleep(0.3)  # into the hung write
-    child.send_signal(signum)
-    stdout, stderr = child.communicate(timeout=60)
-    assert child.returncode == 1, stderr
-    assert "Traceback" not in stderr and stdout == ""
-    return stderr
 
 
 def test_hint_extraction_is_not_fooled_by_a_backtick_in_a_name() -> None:
