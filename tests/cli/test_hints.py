@@ -46,6 +46,9 @@ HOSTILE = [
     "虚拟机",
     "x" * 200,
 ]
+# Every path of hints below runs for these (each process costs a fraction of a second):
+# all of the shell's hazards at once, the longest, and one that reads as an option.
+EVERY_PATH = ['-rf it\'s "x" $(y);z|w&&v>u `a` *?[b]~#! back\\slash 虚拟机', "x" * 200, "--help"]
 SYSTEMD = "systemd:a\\x2db@-i.service"  # systemd's own escapes and a leading '-' instance
 
 
@@ -134,7 +137,20 @@ def hostile_sim(make_sim: Callable[..., SimEnv]) -> SimEnv:
     return make_sim(host=HOST, config=CONFIG)
 
 
-@pytest.mark.parametrize("name", HOSTILE, ids=[n[:12] for n in HOSTILE])
+def test_the_refusal_of_a_second_claim_names_each_hostile_name(hostile_sim: SimEnv) -> None:
+    """Every name of HOSTILE through the most common hints (release, restore of it)."""
+    sim = hostile_sim
+    for name in HOSTILE:
+        ref = f"libvirt:{name}"
+        sim.cli("acquire", "--shared", "--", ref, "gpu1", check=True)
+        refused = sim.cli("acquire", "--exclusive", "--", ref, "gpu1")
+        assert refused.returncode == 3, refused.stderr
+        paths = check_hints(refused.stderr, ref, at_least=2)
+        assert {tuple(p) for p in paths} == {("release",), ("restore",)}
+        sim.cli("release", "--force", "--", ref, check=True)
+
+
+@pytest.mark.parametrize("name", EVERY_PATH, ids=["hazards", "long", "option-like"])
 def test_every_hint_for_a_hostile_libvirt_name_parses_and_names_it(
     hostile_sim: SimEnv, name: str
 ) -> None:
