@@ -76,6 +76,19 @@ def open_host(config: Config, *, subject: str | None = None) -> Host:
     return LocalHost(config, sources=sources)
 
 
+def real_kinds(host: Host) -> frozenset[str] | None:
+    """The holder kinds `host` asks this machine about: None for the local host (every
+    kind), the `real_holders` of a simulated one (none for a plain `sim:DIR`)."""
+    from charly_arbiter.host.hybrid import HybridHost
+    from charly_arbiter.host.sim import SimHost
+
+    if isinstance(host, HybridHost):
+        return frozenset(host.real.kinds)
+    if isinstance(host, SimHost):
+        return frozenset()
+    return None
+
+
 def open_ledger(config: Config) -> Ledger:
     return Ledger(config.state_dir, config.timeouts.lock_wait)
 

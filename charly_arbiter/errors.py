@@ -7,25 +7,43 @@ hint as one or two plain sentences; nothing else needs to know the wording.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
+# The exit-code contract of every command and hook (docs/operations.md has the
+# table of each command's cases, from cli/exits.py).
+EXIT_OK = 0
+EXIT_ERROR = 1  # tried and failed (the host, the state dir, a step), or a check found a problem
+EXIT_USAGE = 2  # the command as given cannot work: an option, a name, the configuration
+EXIT_REFUSED = 3  # well-formed, but the rules refuse it in the present state; nothing changed
 
-def cli_command(*args: str) -> str:
+
+def cli_command(*args: str, operands: Sequence[str] = ()) -> str:
     """A `charly-arbiter` command line for a person to paste, in backticks: every
     word quoted for a POSIX shell, so that a name with a space, a quote or a `$`
-    (a libvirt domain may have any of them) runs as the very command it reads as."""
+    (a libvirt domain may have any of them) runs as the very command it reads as.
+
+    `args` are the command's words and options, as the program writes them;
+    `operands` are names that come from data (a claimant, a token, a unit) and
+    go last, after `--` when one of them starts with `-` (so that a token named
+    `-x` is not read as an option)."""
     import shlex
 
-    return "`" + shlex.join(("charly-arbiter", *args)) + "`"
+    words = ["charly-arbiter", *args]
+    if any(operand.startswith("-") for operand in operands):
+        words.append("--")
+    return "`" + shlex.join([*words, *operands]) + "`"
 
 
 class ArbiterError(Exception):
     """Base of every error the arbiter raises on purpose.
 
-    `exit_code` is the CLI's exit status for it: 1 for errors, 3 for refusals.
+    `exit_code` is the CLI's and the hooks' exit status for it: 1 for errors, 2
+    for what the command line (or the configuration it names) got wrong, 3 for
+    refusals (`UsageError` and `Refused` below).
     """
 
-    exit_code = 1
+    exit_code = EXIT_ERROR
 
     def __init__(self, message: str, hint: str | None = None) -> None:
         super().__init__(message)
@@ -36,10 +54,22 @@ class ArbiterError(Exception):
         return self.message
 
 
-class ConfigError(ArbiterError):
-    """The configuration file cannot be read or is not valid (exit 2, like a usage error)."""
+class UsageError(ArbiterError):
+    """The command as given cannot work, whatever the state: an option, a name that
+    its kind cannot have or that names nothing, a command for another kind of host."""
 
-    exit_code = 2
+    exit_code = EXIT_USAGE
+
+
+class Refused(ArbiterError):
+    """Well-formed, but refused by the rules in the present state; nothing was changed
+    (it may work later, or with --force where the command has it)."""
+
+    exit_code = EXIT_REFUSED
+
+
+class ConfigError(UsageError):
+    """The configuration file cannot be read or is not valid (exit 2, like a usage error)."""
 
     def __init__(self, path: Path | str, key: str | None, why: str) -> None:
         where = f"{path}: {key}" if key else str(path)
@@ -49,7 +79,7 @@ class ConfigError(ArbiterError):
         self.why = why
 
 
-class InvalidAddress(ArbiterError):
+class InvalidAddress(UsageError):
     """A PCI address that is not of the strict `DDDD:BB:DD.F` form."""
 
     def __init__(self, text: str) -> None:
@@ -59,7 +89,7 @@ class InvalidAddress(ArbiterError):
         self.text = text
 
 
-class InvalidClaimant(ArbiterError):
+class InvalidClaimant(UsageError):
     """A claimant name that is not `KIND:NAME`."""
 
     def __init__(self, text: str, why: str) -> None:
@@ -67,18 +97,27 @@ class InvalidClaimant(ArbiterError):
         self.text = text
 
 
-class UnknownToken(ArbiterError):
+class UnknownToken(UsageError):
     def __init__(self, token: str, known: list[str]) -> None:
         names = ", ".join(known) if known else "none"
         super().__init__(
             f"there is no token named {token!r} (known tokens: {names})",
-            hint="run `charly-arbiter status` to see the tokens",
+            hint=f"run {cli_command('status')} to see the tokens",
         )
         self.token = token
 
 
 class HostError(ArbiterError):
     """The host could not be opened or queried (not a refusal, not a switch failure)."""
+
+
+class NeedsHost(UsageError):
+    """A command for another kind of host than the one selected (`detect` on a
+    simulated host, `sim show` on this machine): it says what it needs instead of
+    reaching for a machine it was not pointed at."""
+
+    def __init__(self, command: str, needs: str, hint: str) -> None:
+        super().__init__(f"{command} needs {needs}", hint=hint)
 
 
 class StateDirUnsafe(ArbiterError):
@@ -100,8 +139,8 @@ class LedgerCorrupt(ArbiterError):
         super().__init__(
             f"the ledger {path} is corrupt: {why}; nothing was changed",
             hint=hint
-            or "run `charly-arbiter recover` to compare its backup with the host, "
-            "then `charly-arbiter recover --yes` to continue from it",
+            or f"run {cli_command('recover')} to compare its backup with the host, "
+            f"then {cli_command('recover', '--yes')} to continue from it",
         )
         self.path = path
         self.why = why
@@ -110,17 +149,23 @@ class LedgerCorrupt(ArbiterError):
 class LedgerBusy(ArbiterError):
     """The ledger lock was not free within the configured wait."""
 
-    def __init__(self, path: Path, waited: float, holder_pid: int | None) -> None:
+    def __init__(
+        self, path: Path, waited: float, holder_pid: int | None, holder_user: str | None = None
+    ) -> None:
         who = f" by process {holder_pid}" if holder_pid else ""
+        if holder_pid and holder_user:
+            who += f" of user {holder_user}"
+        ask = f" (or ask {holder_user} about it)" if holder_user else ""
         super().__init__(
             f"the ledger lock {path} is held{who}; gave up after {waited:g} s",
-            hint="wait for that command to finish; never delete the lock file",
+            hint=f"wait for that command to finish{ask}; never delete the lock file",
         )
         self.path = path
         self.holder_pid = holder_pid
+        self.holder_user = holder_user
 
 
-class LeaseInProgress(ArbiterError):
+class LeaseInProgress(Refused):
     """Another live process is acquiring or releasing this claimant's lease."""
 
     def __init__(self, claimant: str, state: str, pid: int) -> None:
@@ -135,20 +180,20 @@ class LeaseInProgress(ArbiterError):
 class LedgerWriteFailed(ArbiterError):
     """Writing a new ledger generation failed; the previous one is still in place."""
 
-    def __init__(self, path: Path, why: str) -> None:
-        super().__init__(f"could not write the ledger {path}: {why}; the previous state is kept")
+    def __init__(self, path: Path, why: str, hint: str | None = None) -> None:
+        super().__init__(
+            f"could not write the ledger {path}: {why}; the previous state is kept", hint=hint
+        )
         self.path = path
 
 
-class ClaimRefused(ArbiterError):
+class ClaimRefused(Refused):
     """A claim that the rules do not allow right now.
 
     `retry` marks a refusal that another operation in progress will soon lift
     (a lease being released, a holder being started again): `acquire` waits a
     bounded time for it instead of refusing at once.
     """
-
-    exit_code = 3
 
     def __init__(
         self, token: str, claimant: str, why: str, hint: str | None = None, *, retry: bool = False
@@ -160,11 +205,9 @@ class ClaimRefused(ArbiterError):
         self.retry = retry
 
 
-class ClaimantRunning(ArbiterError):
+class ClaimantRunning(Refused):
     """Releasing or restoring the lease of a claimant that still runs would send
     its GPU home under it (on a real host the unbind blocks and the GPU is poisoned)."""
-
-    exit_code = 3
 
     def __init__(self, claimant: str, action: str) -> None:
         super().__init__(
@@ -189,8 +232,8 @@ class TokenPoisoned(ClaimRefused):
             claimant,
             f"{token} is poisoned since {since} ({reason})",
             hint=(
-                f"check the GPU and its driver by hand, then run "
-                f"`charly-arbiter poison clear {token}`"
+                "check the GPU and its driver by hand, then run "
+                + cli_command("poison", "clear", operands=[token])
             ),
         )
         self.reason = reason
@@ -236,3 +279,30 @@ class CommandFailed(ArbiterError):
         self.argv = argv
         self.returncode = returncode
         self.stderr = stderr
+
+
+class Interrupt(KeyboardInterrupt):
+    """A signal that ends an interactive command (SIGINT, SIGTERM, SIGHUP), raised in
+    its main thread wherever it waits; `signal_name` says which."""
+
+    def __init__(self, signal_name: str = "SIGINT") -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
+def signal_name(interrupt: KeyboardInterrupt) -> str:
+    """The signal behind an interrupt (Python's own SIGINT handler raises a plain one)."""
+    return interrupt.signal_name if isinstance(interrupt, Interrupt) else "SIGINT"
+
+
+class Interrupted(ArbiterError):
+    """A command ended by a signal: what it left, and the command that converges it."""
+
+
+class StateDirError(ArbiterError):
+    """The host refuses a step on the state directory (a read-only or full filesystem,
+    a missing permission): what, where, and the fix (core/files.describe_os_error)."""
+
+    def __init__(self, path: Path | str, action: str, why: str, fix: str) -> None:
+        super().__init__(f"cannot {action} {path}: {why}", hint=fix)
+        self.path = Path(path)

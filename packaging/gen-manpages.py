@@ -3,11 +3,17 @@
 
 The pages are generated at build time from the same command tree that the
 program runs, so an option cannot exist without its man page saying so, and
-no runtime dependency is added (click only).  Usage:
+no runtime dependency is added (click only).  Each page has its EXIT STATUS
+from charly_arbiter/cli/exits.py (the table docs/operations.md shows too), its
+EXAMPLES and the FILES it reads and writes (below: the build fails for a
+command that has none).  Usage:
 
     PYTHONPATH=. python3 packaging/gen-manpages.py OUTDIR
+    PYTHONPATH=. python3 packaging/gen-manpages.py --exit-table docs/operations.md
 
-The date on the pages is SOURCE_DATE_EPOCH where set (reproducible builds).
+The second form rewrites the exit-status table of docs/operations.md from the
+same source.  The date on the pages is SOURCE_DATE_EPOCH where set
+(reproducible builds).
 """
 
 from __future__ import annotations
@@ -21,26 +27,157 @@ from pathlib import Path
 import click
 
 from charly_arbiter import __version__
-from charly_arbiter.cli import COMMANDS
+from charly_arbiter.cli import COMMANDS, exits
 from charly_arbiter.cli.app import build
 
 PROGRAM = "charly-arbiter"
 SECTION = "8"
 
-FILES = [
-    ("/etc/charly-arbiter/arbiter.toml", "The configuration: tokens, holders, timeouts, policies."),
-    ("/var/lib/charly-arbiter/ledger.toml", "The lease ledger (root only, mode 0700 directory)."),
-    (
-        "/etc/libvirt/hooks/qemu.d/charly-arbiter",
-        "The libvirt hook: claims a VM's GPUs when it starts, releases them when it stops.",
-    ),
-]
 ENVIRONMENT = [
     ("CHARLY_ARBITER_CONFIG", "The configuration file, like --config."),
     ("CHARLY_ARBITER_STATE_DIR", "The state directory, like --state-dir."),
     ("CHARLY_ARBITER_HOST", "The host to act on, like --host."),
     ("CHARLY_ARBITER_DEBUG", "Set to 1 for debug logging, like -vv."),
 ]
+
+
+# What each command reads (r) and writes (w): a path and what it is to the command.
+CONFIG = ("/etc/charly-arbiter/arbiter.toml", "r: the tokens, holders, timeouts (--config)")
+ATTACHED = ("/etc/charly-arbiter/attached.d/", "r: the units attach made claim by themselves")
+LEDGER_R = ("/var/lib/charly-arbiter/ledger.toml", "r: the lease ledger (--state-dir)")
+LEDGER_W = (
+    "/var/lib/charly-arbiter/ledger.toml",
+    "r, w: the lease ledger (and ledger.toml.bak, ledger.lock), written under its lock",
+)
+HISTORY_R = ("/var/lib/charly-arbiter/history.jsonl", "r: the events (and history.jsonl.1 ...)")
+HISTORY_W = ("/var/lib/charly-arbiter/history.jsonl", "w: an event per step, appended")
+SYSFS = ("/sys/bus/pci/", "r, w: the PCI functions and their drivers (a switch binds them)")
+SYSFS_R = ("/sys/bus/pci/", "r: the PCI functions, their drivers and IOMMU groups")
+PROC = ("/proc/", "r: the processes that hold a GPU's device nodes")
+CDI = ("/etc/cdi/nvidia.yaml", "w: the CDI spec, regenerated after a switch (nvidia-ctk)")
+UNITS = (
+    "/etc/systemd/system/UNIT.d/charly-arbiter.conf",
+    "w: the unit's drop-in (--unit-dir; DIR/units for a simulated host)",
+)
+HOOK = ("/etc/libvirt/hooks/qemu.d/charly-arbiter", "r: the libvirt hook (--hook)")
+SIM = ("DIR/host.toml, DIR/state.json", "r, w: a simulated host (--host sim:DIR)")
+SIM_OWN = (
+    "DIR/arbiter.toml, DIR/state/",
+    "r, w: a simulated host's own configuration and state, without --config",
+)
+CLAIMING = [CONFIG, ATTACHED, LEDGER_W, HISTORY_W, SYSFS, PROC, CDI]
+FILES_OF: dict[str, list[tuple[str, str]]] = {
+    "charly-arbiter": [CONFIG, ATTACHED, LEDGER_W, HISTORY_W, SYSFS, PROC, CDI, HOOK, SIM_OWN],
+    "status": [CONFIG, LEDGER_R, HISTORY_R, SYSFS_R, PROC],
+    "acquire": CLAIMING,
+    "release": CLAIMING,
+    "restore": CLAIMING,
+    "poison": [LEDGER_W],
+    "poison list": [LEDGER_R],
+    "poison clear": [CONFIG, LEDGER_W, HISTORY_W],
+    "sim": [SIM, SIM_OWN],
+    "sim init": [("DIR/host.toml, DIR/arbiter.toml", "w: the example host and its configuration")],
+    "sim show": [SIM],
+    "sim stop": [SIM],
+    "sim start": [SIM],
+    "sim reboot": [SIM],
+    "detect": [SYSFS_R, ("/dev/, /proc/driver/", "r: device nodes, NVIDIA's driver")],
+    "doctor": [
+        CONFIG,
+        LEDGER_R,
+        HISTORY_R,
+        SYSFS_R,
+        HOOK,
+        ("/var/lib/charly-arbiter/", "w: a probe file, removed at once"),
+    ],
+    "plan": [CONFIG, LEDGER_R, SYSFS_R, PROC],
+    "explain": [CONFIG, LEDGER_R, HISTORY_R, SYSFS_R],
+    "history": [HISTORY_R, CONFIG],
+    "metrics": [CONFIG, LEDGER_R, HISTORY_R, ("FILE", "w: --output, replaced atomically")],
+    "recover": [
+        CONFIG,
+        LEDGER_W,
+        ("/var/lib/charly-arbiter/ledger.toml.bak", "r: the previous generation"),
+        (
+            "/var/lib/charly-arbiter/ledger.toml.corrupt-*",
+            "w: where --yes moves the corrupt ledger",
+        ),
+    ],
+    "attach": [
+        CONFIG,
+        UNITS,
+        ("/etc/charly-arbiter/attached.d/UNIT.toml", "w: the unit as a holder"),
+    ],
+    "detach": [CONFIG, LEDGER_R, UNITS, ("/etc/charly-arbiter/attached.d/UNIT.toml", "w: removed")],
+}
+# Examples: (a command line, what it does).  Each one parses with the real command tree
+# (tests/package/test_manpages_install.py).
+EXAMPLES: dict[str, list[tuple[str, str]]] = {
+    "charly-arbiter": [
+        ("charly-arbiter sim init /tmp/demo", "a simulated host to try everything on"),
+        ("charly-arbiter --host sim:/tmp/demo status", "its tokens and leases"),
+        ("charly-arbiter acquire --exclusive libvirt:win11 gpu0", "give gpu0 to a VM"),
+    ],
+    "status": [
+        ("charly-arbiter status", "a table per GPU: drivers, leases, what they stopped"),
+        ("charly-arbiter status --json --follow", "one JSON line per change, for a program"),
+    ],
+    "acquire": [
+        ("charly-arbiter acquire --exclusive libvirt:win11 gpu0", "pass gpu0 through to a VM"),
+        ("charly-arbiter acquire --shared container:llm gpu0 --transient", "share it, briefly"),
+        ("charly-arbiter acquire --exclusive -- 'libvirt:my vm' gpu0", "a name with a space"),
+    ],
+    "release": [
+        ("charly-arbiter release libvirt:win11", "once the VM has stopped"),
+        ("charly-arbiter release --force container:llm", "although it still runs"),
+    ],
+    "restore": [
+        ("charly-arbiter restore --stranded --dry-run", "what a restore would bring back"),
+        ("charly-arbiter restore libvirt:win11", "converge one claimant after a crash or Ctrl-C"),
+    ],
+    "poison": [("charly-arbiter poison list", "the GPUs kept out of use")],
+    "poison list": [("charly-arbiter poison list --json", "for a program")],
+    "poison clear": [("charly-arbiter poison clear gpu0", "after checking it with lspci -nnk")],
+    "sim": [("charly-arbiter --host sim:/tmp/demo sim show", "the simulated host's state")],
+    "sim init": [
+        ("charly-arbiter sim init /tmp/demo", "write /tmp/demo/host.toml and arbiter.toml")
+    ],
+    "sim show": [("charly-arbiter --host sim:/tmp/demo sim show", "drivers, running holders")],
+    "sim stop": [("charly-arbiter --host sim:/tmp/demo sim stop libvirt:win11", "a VM crashes")],
+    "sim start": [("charly-arbiter --host sim:/tmp/demo sim start container:llm", "it runs")],
+    "sim reboot": [("charly-arbiter --host sim:/tmp/demo sim reboot", "a new boot")],
+    "detect": [("charly-arbiter detect --json", "this machine's GPUs, groups and VFIO readiness")],
+    "doctor": [("charly-arbiter doctor", "one line per check, with the fix")],
+    "plan": [
+        (
+            "charly-arbiter plan --exclusive libvirt:win11 gpu0",
+            "what acquire would stop and switch",
+        ),
+        ("charly-arbiter plan libvirt:win11", "what starting the VM would do, from its XML"),
+    ],
+    "explain": [
+        ("charly-arbiter explain gpu0", "who holds it, since when, how to fix"),
+        ("charly-arbiter explain libvirt:win11", "what it holds and stopped"),
+    ],
+    "history": [
+        ("charly-arbiter history --token gpu0 --since 2h", "the last two hours of gpu0"),
+        ("charly-arbiter history --claimant libvirt:win11 --json", "for a program"),
+    ],
+    "metrics": [
+        (
+            "charly-arbiter metrics --output /var/lib/prometheus/node-exporter/charly-arbiter.prom",
+            "for node_exporter's textfile collector",
+        )
+    ],
+    "recover": [
+        ("charly-arbiter recover", "compare a corrupt ledger's backup with the host"),
+        ("charly-arbiter recover --yes", "continue from the backup"),
+    ],
+    "attach": [
+        ("charly-arbiter attach ollama.service gpu0", "the unit claims gpu0 when it starts")
+    ],
+    "detach": [("charly-arbiter detach ollama.service", "remove its drop-in and holder record")],
+}
 
 
 OVERVIEW = [
@@ -125,6 +262,8 @@ def command_page(ctx: click.Context, path: list[str], date: str, see_also: list[
             ".PP",
             f"The global options of \\fB{PROGRAM}\\fR(8) go before the command name.",
         ]
+    key = table_key(path)
+    lines += exit_status_section(key) + examples_section(key) + files_section(key)
     lines += [".SH SEE ALSO", ",\n".join(f"\\fB{roff(other)}\\fR({SECTION})" for other in see_also)]
     return "\n".join(lines) + "\n"
 
@@ -142,6 +281,57 @@ def subcommands_section(ctx: click.Context, path: list[str]) -> list[str]:
     return lines
 
 
+def table_key(path: list[str]) -> str:
+    """The key of cli/exits.py, EXAMPLES and FILES_OF: the words after charly-arbiter."""
+    return " ".join(path[1:]) or PROGRAM
+
+
+def exit_status_section(key: str) -> list[str]:
+    lines = [
+        ".SH EXIT STATUS",
+        ".PP",
+        roff(
+            "0 success, 1 error, 2 usage, 3 refused, for every command and hook; errors and "
+            "refusals are one or two sentences on standard error, with a hint."
+        ),
+    ]
+    for row in exits.rows(key):
+        lines += [".TP", f"\\fB{row.code}\\fR ({exits.MEANING[row.code]})", roff(row.when)]
+    return lines
+
+
+def examples_section(key: str) -> list[str]:
+    lines = [".SH EXAMPLES"]
+    for command, what in EXAMPLES[key]:
+        lines += [
+            ".PP",
+            roff(what.rstrip(".") + ":"),
+            ".PP",
+            ".RS 4",
+            ".nf",
+            roff(command),
+            ".fi",
+            ".RE",
+        ]
+    return lines
+
+
+def files_section(key: str) -> list[str]:
+    lines = [".SH FILES"]
+    for path, what in FILES_OF[key]:
+        lines += [".TP", f"\\fI{roff(path)}\\fR", roff(what)]
+    return lines
+
+
+def hooks_exit_status() -> list[str]:
+    lines = [".SH HOOK EXIT STATUS"]
+    for hook in exits.HOOKS:
+        lines += [".SS", roff(f"{PROGRAM} {hook}")]
+        for row in exits.rows(hook):
+            lines += [".TP", f"\\fB{row.code}\\fR ({exits.MEANING[row.code]})", roff(row.when)]
+    return lines
+
+
 def main_page_extra() -> list[str]:
     lines = [
         ".SH LIBVIRT HOOK",
@@ -153,21 +343,11 @@ def main_page_extra() -> list[str]:
             "libvirt notices a new hook only when its daemon starts: restart libvirtd or "
             "virtqemud after installing (running VMs keep running)."
         ),
-        ".SH FILES",
     ]
-    for path, what in FILES:
-        lines += [".TP", f"\\fI{roff(path)}\\fR", roff(what)]
+    lines += hooks_exit_status()
     lines.append(".SH ENVIRONMENT")
     for variable, what in ENVIRONMENT:
         lines += [".TP", f"\\fB{variable}\\fR", roff(what)]
-    lines += [
-        ".SH EXIT STATUS",
-        ".PP",
-        roff(
-            "0 on success. On an error the command prints one or two sentences naming the "
-            "GPU, holder or file concerned and a hint, and exits non-zero; -v adds a traceback."
-        ),
-    ]
     return lines
 
 
@@ -210,7 +390,11 @@ def generate(outdir: Path) -> list[Path]:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--exit-table":
+        target = Path(sys.argv[2])
+        target.write_text(exits.in_document(target.read_text()))
+        sys.exit(0)
     if len(sys.argv) != 2:
-        sys.exit(f"usage: {sys.argv[0]} OUTDIR")
+        sys.exit(f"usage: {sys.argv[0]} OUTDIR | --exit-table FILE")
     for page in generate(Path(sys.argv[1])):
         print(page)

@@ -9,31 +9,40 @@ command was given, so the unit's claim lands in the same ledger.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
 
 import click
 
-from charly_arbiter.cli.app import App
+from charly_arbiter.cli import complete
+from charly_arbiter.cli.app import App, claim_mode, mode_options
+from charly_arbiter.compose import real_kinds
 from charly_arbiter.core.config import (
     ENV_CONFIG,
     ENV_HOST,
     ENV_STATE_DIR,
     HolderConfig,
     attached_text,
+    sim_directory,
 )
-from charly_arbiter.core.model import Claimant
-from charly_arbiter.errors import ArbiterError
+from charly_arbiter.core.model import KINDS, Claimant, Mode
+from charly_arbiter.errors import Refused
 from charly_arbiter.host import units
 
 KIND = "systemd"
-UNIT_DIR_HELP = "Where systemd reads drop-ins (default /etc/systemd/system)."
+UNIT_DIR_HELP = (
+    "Where systemd reads drop-ins (default /etc/systemd/system; DIR/units for a simulated host)."
+)
 
 
 @click.command()
-@click.option("--shared", "mode", flag_value="shared", default=True, help="Claim shared (default).")
-@click.option("--exclusive", "mode", flag_value="exclusive", help="Claim exclusively (vfio-pci).")
+@functools.partial(
+    mode_options,
+    exclusive_help="Claim exclusively (vfio-pci).",
+    shared_help="Claim shared (the default).",
+)
 @click.option(
     "--preemptible/--no-preemptible",
     default=True,
@@ -42,27 +51,35 @@ UNIT_DIR_HELP = "Where systemd reads drop-ins (default /etc/systemd/system)."
 )
 @click.option("--unit-dir", type=click.Path(path_type=Path, file_okay=False), help=UNIT_DIR_HELP)
 @click.argument("unit")
-@click.argument("tokens", nargs=-1, required=True)
+@click.argument("tokens", nargs=-1, required=True, shell_complete=complete.tokens)
 @click.pass_obj
 def attach(
-    app: App, mode: str, preemptible: bool, unit_dir: Path | None, unit: str, tokens: tuple[str]
+    app: App,
+    exclusive: bool,
+    shared: bool,
+    preemptible: bool,
+    unit_dir: Path | None,
+    unit: str,
+    tokens: tuple[str],
 ) -> None:
     """Make systemd:UNIT claim TOKENS when it starts and release them when it stops."""
+    mode = str(claim_mode(exclusive, shared, default=Mode.SHARED))
     ref = _unit_ref(unit)
     config = app.config()
     listed = config.holder(ref)
     if listed is not None and listed.attached is None:
-        raise ArbiterError(
+        raise Refused(
             f"{ref} is listed in {config.path} already",
             hint="remove its [[holders]] table there first, or leave it as it is",
         )
     names = [spec.name for spec in app.arbiter().tokens.resolve(list(tokens))]
-    dropin = units.dropin_path(unit_dir or units.UNIT_DIR, ref.name)
+    dropin = units.dropin_path(unit_dir or _unit_dir(app), ref.name)
     program = [*_program(), *_options(app)]
     units.write_file(
         dropin,
         units.dropin_text(
             ref,
+            names,
             [*program, "acquire", f"--{mode}", "--", ref, *names],
             [*program, "release", "--force", "--", ref],
         ),
@@ -77,12 +94,12 @@ def attach(
         units.remove_file(dropin)
         raise
     click.echo(f"attached {ref} to {', '.join(names)} ({mode}): {dropin}")
-    _reload()
+    _reload(app)
 
 
 @click.command()
 @click.option("--force", is_flag=True, help="Detach even though the unit holds a lease now.")
-@click.argument("unit")
+@click.argument("unit", shell_complete=complete.claimants)
 @click.pass_obj
 def detach(app: App, force: bool, unit: str) -> None:
     """Remove what `attach` wrote for systemd:UNIT (its drop-in and its holder record)."""
@@ -94,7 +111,7 @@ def detach(app: App, force: bool, unit: str) -> None:
         return
     lease = app.ledger().read().lease_of(ref)
     if lease is not None and not force:
-        raise ArbiterError(
+        raise Refused(
             f"{ref} holds a {lease.mode} lease on {', '.join(lease.tokens)}; without its "
             "drop-in nothing would release it",
             hint=f"stop {ref} first (its ExecStopPost releases the GPU), or add --force",
@@ -103,11 +120,13 @@ def detach(app: App, force: bool, unit: str) -> None:
         units.remove_file(holder.dropin)
     units.remove_file(holder.attached)
     click.echo(f"detached {ref}")
-    _reload()
+    _reload(app)
 
 
 def _unit_ref(unit: str) -> Claimant:
-    ref = Claimant.parse(unit if ":" in unit else f"{KIND}:{unit}")
+    # A unit's own name may have a colon (systemd allows it): only a known kind before
+    # the first one makes it KIND:NAME.
+    ref = Claimant.parse(unit if unit.partition(":")[0] in KINDS else f"{KIND}:{unit}")
     if ref.kind != KIND:
         raise click.UsageError(f"{unit}: only systemd units attach (systemd:NAME.service)")
     units.check_unit(ref.name)
@@ -142,7 +161,24 @@ def _options(app: App) -> list[str]:
     return found
 
 
-def _reload() -> None:
+def _simulated_units(app: App) -> bool:
+    """Whether this host's units are simulated (a `sim:DIR` without real systemd holders):
+    then this machine's systemd is none of the command's business."""
+    kinds = real_kinds(app.host())
+    return kinds is not None and "systemd" not in kinds
+
+
+def _unit_dir(app: App) -> Path:
+    """/etc/systemd/system, or DIR/units for a simulated host (self-contained)."""
+    directory = sim_directory(app.config().host)
+    if directory is not None and _simulated_units(app):
+        return directory / "units"
+    return units.UNIT_DIR
+
+
+def _reload(app: App) -> None:
+    if _simulated_units(app):
+        return
     why = units.daemon_reload()
     if why is not None:
         click.echo(f"systemd was not reloaded ({why}): run `systemctl daemon-reload`", err=True)

@@ -8,15 +8,15 @@ from typing import Any
 
 import click
 
-from charly_arbiter.cli.app import App
+from charly_arbiter.cli import complete
+from charly_arbiter.cli.app import App, claim_mode, interruption_report, mode_options
 from charly_arbiter.core.arbiter import Arbiter
-from charly_arbiter.core.model import Lease, Mode
-from charly_arbiter.errors import ArbiterError
+from charly_arbiter.core.model import Claimant, Lease
+from charly_arbiter.errors import ArbiterError, cli_command
 
 
 @click.command()
-@click.option("--exclusive", "mode", flag_value=Mode.EXCLUSIVE.value, help="Sole use (vfio-pci).")
-@click.option("--shared", "mode", flag_value=Mode.SHARED.value, help="Refcounted, home driver.")
+@mode_options
 @click.option("--transient", is_flag=True, help="A short use, always stranded after a reboot.")
 @click.option(
     "--wait",
@@ -24,21 +24,26 @@ from charly_arbiter.errors import ArbiterError
     default=None,
     help="Seconds to wait for a release under way (default: timeouts.claim_wait).",
 )
-@click.argument("claimant")
-@click.argument("tokens", nargs=-1, required=True)
+@click.argument("claimant", shell_complete=complete.claimants)
+@click.argument("tokens", nargs=-1, required=True, shell_complete=complete.tokens)
 @click.pass_obj
 def acquire(
     app: App,
-    mode: str | None,
+    exclusive: bool,
+    shared: bool,
     transient: bool,
     wait: float | None,
     claimant: str,
     tokens: tuple[str],
 ) -> None:
     """Claim TOKENS for CLAIMANT (KIND:NAME), stopping what must make room."""
+    mode = claim_mode(exclusive, shared)
     if mode is None:
         raise click.UsageError("say --exclusive or --shared")
-    plan = app.arbiter().acquire(claimant, Mode(mode), list(tokens), transient=transient, wait=wait)
+    ref = Claimant.parse(claimant)
+    arbiter = app.arbiter()
+    with interruption_report(arbiter, ref, "claim"):
+        plan = arbiter.acquire(ref, mode, list(tokens), transient=transient, wait=wait)
     if plan.already_held:
         click.echo(f"{plan.claimant} already holds {', '.join(plan.tokens)} ({plan.mode})")
         return
@@ -54,15 +59,18 @@ def acquire(
 @click.option(
     "--force", is_flag=True, help="Release even though the claimant still runs (it loses the GPU)."
 )
-@click.argument("claimant")
+@click.argument("claimant", shell_complete=complete.claimants)
 @click.pass_obj
 def release(app: App, failed: bool, force: bool, claimant: str) -> None:
     """Release CLAIMANT's lease; the last lease on a GPU sends it home.
 
     Refused (exit 3) while the claimant still runs, unless --force.
     """
+    ref = Claimant.parse(claimant)
     arbiter = app.arbiter()
-    if not arbiter.release_claimant(claimant, success=not failed, force=force):
+    with interruption_report(arbiter, ref, "release"):
+        released = arbiter.release_claimant(ref, success=not failed, force=force)
+    if not released:
         click.echo(f"{claimant} holds no lease")
         return
     _left_behind(arbiter, [claimant])
@@ -74,7 +82,7 @@ def release(app: App, failed: bool, force: bool, claimant: str) -> None:
 @click.option("--dry-run", is_flag=True, help="Only say which claimants would be restored.")
 @click.option("--force", is_flag=True, help="Restore named claimants even though they still run.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
-@click.argument("claimants", nargs=-1)
+@click.argument("claimants", nargs=-1, shell_complete=complete.claimants)
 @click.pass_obj
 def restore(
     app: App, stranded: bool, dry_run: bool, force: bool, as_json: bool, claimants: tuple[str]
@@ -85,9 +93,11 @@ def restore(
     """
     if stranded and claimants:
         raise click.UsageError("give either --stranded or claimant names, not both")
+    refs = [Claimant.parse(claimant) for claimant in claimants]
     arbiter = app.arbiter()
     before = arbiter.ledger.read()
-    done = arbiter.restore(list(claimants) or None, dry_run=dry_run, force=force)
+    with interruption_report(arbiter, None, "restore"):
+        done = arbiter.restore(refs or None, dry_run=dry_run, force=force)
     if as_json:
         leases = [lease for lease in (before.lease_of(c) for c in done) if lease is not None]
         click.echo(json.dumps(_restore_document(leases, dry_run), indent=2, sort_keys=True))
@@ -125,5 +135,5 @@ def _left_behind(arbiter: Arbiter, claimants: Sequence[str]) -> None:
         raise ArbiterError(
             f"{', '.join(left)}: not everything came back (see the messages above); "
             "the lease is kept",
-            hint=f"fix the cause, then run `charly-arbiter restore {' '.join(left)}`",
+            hint=f"fix the cause, then run {cli_command('restore', operands=left)}",
         )

@@ -7,7 +7,7 @@ import json
 import click
 
 from charly_arbiter.cli.app import App, vm_memory_option
-from charly_arbiter.errors import HostError
+from charly_arbiter.errors import NeedsHost, cli_command
 
 
 @click.command()
@@ -22,7 +22,12 @@ def detect(app: App, as_json: bool, vm_memory: int) -> None:
 
     host = app.host()
     if not isinstance(host, LocalHost):
-        raise HostError(f"detect looks at this machine, not at {host.description}")
+        raise NeedsHost(
+            "detect",
+            f"this machine's PCI devices and sysfs; {host.description} is simulated",
+            "run it without --host sim:… (and without CHARLY_ARBITER_HOST), or read the "
+            "simulated host's devices with " + cli_command("--host", "sim:DIR", "sim", "show"),
+        )
     result = run_detect(host, vm_memory * 2**20)
     if as_json:
         click.echo(json.dumps(document(result), indent=2, sort_keys=True))

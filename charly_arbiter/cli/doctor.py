@@ -10,8 +10,9 @@ from typing import Any
 import click
 
 from charly_arbiter.cli.app import App, vm_memory_option
+from charly_arbiter.compose import real_kinds
 from charly_arbiter.libvirt.domains import reachable
-from charly_arbiter.ops.doctor import HOOK_PATH, Check, Level, run_checks
+from charly_arbiter.ops.doctor import HOOK_PATH, Check, Level, run_checks, state_dir_check
 
 
 def libvirt_check(uri: str) -> Check:
@@ -40,10 +41,13 @@ def libvirt_check(uri: str) -> Check:
 @click.pass_obj
 def doctor(app: App, as_json: bool, vm_memory: int, hook_path: Path) -> None:
     """Check the host (IOMMU, vfio-pci, tokens, hook, ledger, libvirt, memlock)."""
-    uri = app.config().libvirt_uri
-    checks = run_checks(
-        app.arbiter(), vm_memory * 2**20, hook_path, more=[lambda: [libvirt_check(uri)]]
-    )
+    config = app.config()
+    arbiter = app.arbiter()
+    more = [lambda: [state_dir_check(config.state_dir)]]
+    kinds = real_kinds(arbiter.host)
+    if kinds is None or "libvirt" in kinds:  # a simulated host asks no libvirtd unless told
+        more.append(lambda: [libvirt_check(config.libvirt_uri)])
+    checks = run_checks(arbiter, vm_memory * 2**20, hook_path, more=more)
     if as_json:
         document: dict[str, Any] = {
             "checks": [asdict(check) for check in checks],

@@ -6,6 +6,7 @@ from datetime import UTC, datetime
 
 import click
 
+from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App
 from charly_arbiter.core.model import Claimant
 from charly_arbiter.ops import history
@@ -13,16 +14,17 @@ from charly_arbiter.ops.explain import Facts, explain_claimant, explain_token
 
 
 @click.command()
-@click.argument("subject", metavar="TOKEN|CLAIMANT")
+@click.argument("subject", metavar="TOKEN|CLAIMANT", shell_complete=complete.token_or_claimant)
 @click.pass_obj
 def explain(app: App, subject: str) -> None:
     """Explain a token's or a claimant's state in sentences, with the command that fixes it."""
     arbiter = app.arbiter()
-    is_claimant = ":" in subject
+    # A token first: one named after its address (no tokens configured) has colons too.
+    is_claimant = ":" in subject and subject not in arbiter.tokens.all()
     if is_claimant:
         subject = Claimant.parse(subject)
     else:
-        arbiter.tokens.resolve([subject])  # an unknown token is an error that lists the known ones
+        arbiter.tokens.resolve([subject])  # an unknown token: exit 2, listing the known ones
     status = arbiter.status()
     if status.corrupt:
         click.echo(f"The ledger is corrupt: {status.corrupt}.")

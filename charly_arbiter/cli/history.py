@@ -6,14 +6,26 @@ import json
 
 import click
 
+from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App
 from charly_arbiter.core.events import describe
+from charly_arbiter.core.model import Claimant
 from charly_arbiter.ops.history import HistoryLog, Record, interrupted, parse_since, select
 
 
 @click.command()
-@click.option("--token", metavar="TOKEN", help="Only what concerns this token.")
-@click.option("--claimant", metavar="KIND:NAME", help="Only what this claimant did or suffered.")
+@click.option(
+    "--token",
+    metavar="TOKEN",
+    help="Only what concerns this token.",
+    shell_complete=complete.tokens,
+)
+@click.option(
+    "--claimant",
+    metavar="KIND:NAME",
+    help="Only what this claimant did or suffered.",
+    shell_complete=complete.claimants,
+)
 @click.option("--since", metavar="WHEN", help="Only newer events: 30m, 2h, 1d, or an ISO time.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON array of events, for scripts.")
 @click.pass_obj
@@ -21,16 +33,16 @@ def history(
     app: App, token: str | None, claimant: str | None, since: str | None, as_json: bool
 ) -> None:
     """Show claims, refusals, preemptions, switches, restores and poisonings, oldest first."""
+    when = parse_since(since) if since else None
+    ref = Claimant.parse(claimant) if claimant is not None else None
     reading = HistoryLog(app.config().state_dir).read()
+    if token is not None and not any(token in record.tokens for record in reading.records):
+        # Neither in the history nor configured: a name that names nothing (exit 2).
+        app.arbiter().tokens.resolve([token])
     for note in reading.notes:
         click.echo(f"note: {note}", err=True)
     killed = {id(reading.records[i]) for i in interrupted(reading.records)}
-    records = select(
-        reading.records,
-        token=token,
-        claimant=claimant,
-        since=parse_since(since) if since else None,
-    )
+    records = select(reading.records, token=token, claimant=ref, since=when)
     if as_json:
         documents = [
             {

@@ -14,40 +14,50 @@ from typing import Any
 
 import click
 
-from charly_arbiter.cli.app import App
+from charly_arbiter.cli import complete
+from charly_arbiter.cli.app import App, claim_mode, mode_options
+from charly_arbiter.compose import real_kinds
 from charly_arbiter.core.host import NO_DRIVER
-from charly_arbiter.core.model import Mode
+from charly_arbiter.core.model import Claimant
 from charly_arbiter.core.planner import ClaimPlan
-from charly_arbiter.errors import ClaimRefused
+from charly_arbiter.errors import ClaimRefused, NeedsHost, cli_command
 
 
 @click.command()
-@click.option("--exclusive", "mode", flag_value=Mode.EXCLUSIVE.value, help="Sole use (vfio-pci).")
-@click.option("--shared", "mode", flag_value=Mode.SHARED.value, help="Refcounted, home driver.")
+@mode_options
 @click.option("--transient", is_flag=True, help="Plan a transient claim.")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
-@click.argument("claimant")
-@click.argument("tokens", nargs=-1)
+@click.argument("claimant", shell_complete=complete.claimants)
+@click.argument("tokens", nargs=-1, shell_complete=complete.tokens)
 @click.pass_obj
 def plan(
-    app: App, mode: str | None, transient: bool, as_json: bool, claimant: str, tokens: tuple[str]
+    app: App,
+    exclusive: bool,
+    shared: bool,
+    transient: bool,
+    as_json: bool,
+    claimant: str,
+    tokens: tuple[str],
 ) -> None:
     """Show what claiming TOKENS for CLAIMANT would stop and switch; change nothing.
 
     With a libvirt domain (libvirt:NAME) and no mode or tokens: what starting it
     would do, its claim read from its definition as the hook reads it.
     """
+    mode = claim_mode(exclusive, shared)
     if not tokens and (mode is not None or transient):
         raise click.UsageError("name the TOKENS to claim")
+    if tokens and mode is None:
+        raise click.UsageError("say --exclusive or --shared")
+    ref = Claimant.parse(claimant)
     try:
-        if tokens:
-            if mode is None:
-                raise click.UsageError("say --exclusive or --shared")
-            result = app.arbiter().plan(claimant, Mode(mode), list(tokens), transient=transient)
+        if mode is not None:
+            result = app.arbiter().plan(ref, mode, list(tokens), transient=transient)
         else:
             from charly_arbiter.libvirt.preview import preview_start
 
-            found = preview_start(app.arbiter(), claimant)
+            _needs_libvirt(app, ref)
+            found = preview_start(app.arbiter(), ref)
             if found is None:
                 _no_claim(claimant, as_json)
                 return
@@ -66,6 +76,22 @@ def plan(
         click.echo(json.dumps(planned, indent=2, sort_keys=True))
     else:
         click.echo(render(result))
+
+
+def _needs_libvirt(app: App, ref: Claimant) -> None:
+    """A domain's definition comes from libvirt: a simulated host asks this machine's
+    libvirtd only when its host.toml lists libvirt among its real holders."""
+    if ref.kind != "libvirt":
+        return  # preview_start says what to give instead
+    kinds = real_kinds(app.host())
+    if kinds is not None and "libvirt" not in kinds:
+        raise NeedsHost(
+            f"plan {ref}",
+            f"libvirt, which holds the domain's definition, and {app.host().description} has none",
+            "name the mode and the tokens ("
+            + cli_command("plan", "--exclusive", operands=[ref, "TOKEN"])
+            + '), or add real_holders = ["libvirt"] to the simulated host\'s host.toml',
+        )
 
 
 def _no_claim(claimant: str, as_json: bool) -> None:

@@ -6,12 +6,15 @@ import json
 
 import click
 
-from charly_arbiter.cli.app import App
+from charly_arbiter.cli import complete
+from charly_arbiter.cli.app import App, needs_subcommand
 
 
-@click.group()
-def poison() -> None:
+@click.group(invoke_without_command=True, no_args_is_help=False)
+@click.pass_context
+def poison(ctx: click.Context) -> None:
     """GPUs whose driver switch failed, kept out of use until cleared."""
+    needs_subcommand(ctx)
 
 
 @poison.command("list")
@@ -35,11 +38,17 @@ def list_poisoned(app: App, as_json: bool) -> None:
 
 @poison.command()
 @click.option("--json", "as_json", is_flag=True, help="One JSON object, for scripts.")
-@click.argument("token")
+@click.argument("token", shell_complete=complete.tokens)
 @click.pass_obj
 def clear(app: App, as_json: bool, token: str) -> None:
     """Clear TOKEN's poison after checking the GPU and its driver by hand."""
-    cleared = app.arbiter().clear_poison(token)
+    arbiter = app.arbiter()
+    if arbiter.ledger.read().poison_of(token) is None:
+        # Not poisoned: fine for a token that exists, a usage error (exit 2, naming the
+        # known ones) for a name that names nothing.  A poisoned token the configuration
+        # no longer names can still be cleared.
+        arbiter.tokens.resolve([token])
+    cleared = arbiter.clear_poison(token)
     if as_json:
         click.echo(json.dumps({"token": token, "cleared": cleared}, sort_keys=True))
     elif cleared:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from charly_arbiter.cli.app import App
+from charly_arbiter.errors import cli_command
 from charly_arbiter.ops.recovery import compare, recover
 
 
@@ -31,9 +32,10 @@ def recover_command(app: App, yes: bool, empty: bool) -> None:
     if not yes:
         empty = empty or comparison.backup is None
         source = "an empty ledger (tokens on vfio-pci poisoned)" if empty else "the backup"
+        options = ["--empty", "--yes"] if empty else ["--yes"]
         click.echo(
             f"nothing was written; to continue from {source}, run "
-            f"`charly-arbiter recover{' --empty' if empty else ''} --yes`"
+            + cli_command("recover", *options)
         )
         return
     state, aside = recover(arbiter, comparison, empty=empty)
@@ -42,5 +44,6 @@ def recover_command(app: App, yes: bool, empty: bool) -> None:
     click.echo(
         f"the ledger now holds {len(state.leases)} leases"
         + (f" and poisons {', '.join(t for t, _ in state.poisoned)}" if state.poisoned else "")
-        + "; run `charly-arbiter status`, then `charly-arbiter restore --stranded` if it shows any"
+        + f"; run {cli_command('status')}, then {cli_command('restore', '--stranded')} "
+        "if it shows any"
     )

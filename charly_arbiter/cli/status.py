@@ -7,10 +7,12 @@ only when stdout is a terminal.  `--json` is the stable interface for scripts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import sys
+import unicodedata
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -21,6 +23,7 @@ from charly_arbiter.cli.app import App
 from charly_arbiter.core.arbiter import Status, TokenStatus
 from charly_arbiter.core.config import HolderConfig
 from charly_arbiter.core.model import Lease
+from charly_arbiter.errors import cli_command
 from charly_arbiter.ops.explain import age, stranded_why
 from charly_arbiter.ops.follow import follow
 from charly_arbiter.ops.history import HISTORY
@@ -84,13 +87,15 @@ def _follow(app: App, interval: float) -> None:
             return False
         return True
 
-    follow(
-        produce,
-        [arbiter.ledger.path, state_dir / HISTORY],
-        emit,
-        interval=interval,
-        reader_gone=_reader_gone,
-    )
+    # Ctrl-C is how a person stops a follower: its normal end, exit 0.
+    with contextlib.suppress(KeyboardInterrupt):
+        follow(
+            produce,
+            [arbiter.ledger.path, state_dir / HISTORY],
+            emit,
+            interval=interval,
+            reader_gone=_reader_gone,
+        )
 
 
 def _reader_gone() -> bool:
@@ -183,7 +188,7 @@ def render(
         lines.append(f"lease of {lease.claimant} on {', '.join(lease.tokens)} ({lease.state})")
     if result.stranded:
         lines.append(style("stranded: " + ", ".join(result.stranded), "bad"))
-        lines.append("hint: run `charly-arbiter restore --stranded`")
+        lines.append(f"hint: run {cli_command('restore', '--stranded')}")
     elif not result.leases and not result.corrupt:  # a corrupt ledger is never "no leases"
         lines.append("no leases")
     if attached:
@@ -200,7 +205,8 @@ def _token_table(token: TokenStatus, result: Status, style: Style, now: datetime
     lines = [f"{style(token.name, 'head')} ({token.address})  {style(token.mode, token.mode)}"]
     if token.poisoned:
         lines.append("  " + style(f"POISONED since {token.since}: {token.reason}", "bad"))
-        lines.append(f"  hint: run `charly-arbiter poison clear {token.name}` once it is checked")
+        clear = cli_command("poison", "clear", operands=[token.name])
+        lines.append(f"  hint: run {clear} once it is checked")
     rows = [("FUNCTION", "DRIVER")]
     rows += [(address, driver or "-") for address, driver in token.drivers]
     lines += _table(rows, style)
@@ -225,16 +231,47 @@ def _token_table(token: TokenStatus, result: Status, style: Style, now: datetime
     return lines
 
 
+# A cell wider than this (a 200-character domain name) does not widen its column:
+# it gets a line of its own, and the rest of its row goes on under it, aligned.
+MAX_CELL = 40
+
+
+def width(text: str) -> int:
+    """Terminal columns: a wide (CJK) character takes two, a combining mark none."""
+    return sum(
+        0
+        if unicodedata.combining(char)
+        else 2
+        if unicodedata.east_asian_width(char) in ("W", "F")
+        else 1
+        for char in text
+    )
+
+
+def _pad(text: str, columns: int) -> str:
+    return text + " " * max(columns - width(text), 0)
+
+
 def _table(
     rows: Sequence[tuple[str, ...]], style: Style, bad_column: int | None = None
 ) -> list[str]:
-    """Columns padded on the plain text, styled afterwards (ANSI codes have no width)."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    """Columns padded by display width on the plain text, styled afterwards (ANSI codes
+    have no width)."""
+    widths = [
+        max([width(row[i]) for row in rows if width(row[i]) <= MAX_CELL] or [MAX_CELL])
+        for i in range(len(rows[0]))
+    ]
     lines = []
     for number, row in enumerate(rows):
-        cells = []
+        cells: list[str] = []
         for column, cell in enumerate(row):
-            padded = cell if column == len(row) - 1 else cell.ljust(widths[column])
+            last = column == len(row) - 1
+            if not last and width(cell) > widths[column]:
+                # Too wide: alone on its line; the row goes on under it, in its columns.
+                lines.append("  " + "  ".join([*cells, cell]))
+                cells = [" " * w for w in widths[: column + 1]]
+                continue
+            padded = cell if last else _pad(cell, widths[column])
             if number == 0:
                 padded = style(padded, "head")
             elif column == bad_column and "STRANDED" in cell:

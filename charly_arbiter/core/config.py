@@ -3,6 +3,12 @@
 libvirt runs its hooks with a minimal environment, so the configuration file
 is how the hook finds the state directory, the host and the libvirt URI.
 Command-line options and environment variables override the file.
+
+A simulated host selected on the command line or in the environment
+(`--host sim:DIR`, CHARLY_ARBITER_HOST) with no configuration file named is
+self-contained: its configuration is DIR/arbiter.toml (which `sim init` writes)
+and its state DIR/state, so that trying the tool never reads this machine's
+/etc/charly-arbiter nor writes its /var/lib/charly-arbiter.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any
 
 from charly_arbiter.core.model import Claimant
 from charly_arbiter.core.pci import parse_address
-from charly_arbiter.errors import ArbiterError, ConfigError
+from charly_arbiter.errors import ArbiterError, ConfigError, cli_command
 
 DEFAULT_CONFIG = Path("/etc/charly-arbiter/arbiter.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/charly-arbiter")
@@ -133,10 +139,14 @@ class Config:
     timeouts: Timeouts = field(default_factory=Timeouts)
     tokens: tuple[TokenConfig, ...] = ()
     holders: tuple[HolderConfig, ...] = ()  # arbiter.toml's, then attached.d's
+    # Where a configuration without a file keeps attached.d (a simulated host's DIR).
+    home: Path | None = None
 
     @property
     def attached_dir(self) -> Path:
         """Where `attach` records units: beside the configuration file."""
+        if self.path is None and self.home is not None:
+            return self.home / ATTACHED_DIR
         return (self.path or DEFAULT_CONFIG).parent / ATTACHED_DIR
 
     def holder(self, ref: str) -> HolderConfig | None:
@@ -152,16 +162,28 @@ def load_config(
 ) -> Config:
     """Read the file (default path: absent is fine), then apply env and option overrides."""
     explicit = path is not None or ENV_CONFIG in environ
-    config_path = path or Path(environ.get(ENV_CONFIG, str(DEFAULT_CONFIG)))
+    if host is None and ENV_HOST in environ:
+        host = environ[ENV_HOST]
+    host = _absolute_sim(host)
+    simulated = sim_directory(host) if not explicit else None
+    if explicit:
+        config_path = path or Path(environ[ENV_CONFIG])
+    elif simulated is not None:
+        config_path = simulated / "arbiter.toml"  # the simulated host's own
+    else:
+        config_path = DEFAULT_CONFIG
     if config_path.exists() or explicit:
-        config = _parse(config_path, _read_table(config_path))
+        table = _read_table(config_path)
+        config = _parse(config_path, table)
+        if simulated is not None and "state_dir" not in table:
+            config = replace(config, state_dir=simulated / "state")
+    elif simulated is not None:
+        config = Config(state_dir=simulated / "state", home=simulated)
     else:
         config = Config()
     config = _with_attached(config)
     if ENV_STATE_DIR in environ:
         config = replace(config, state_dir=Path(environ[ENV_STATE_DIR]))
-    if ENV_HOST in environ:
-        config = replace(config, host=environ[ENV_HOST])
     if state_dir is not None:
         config = replace(config, state_dir=state_dir)
     if host is not None:
@@ -391,7 +413,8 @@ def attached_text(holder: HolderConfig) -> str:
     Strings are written as JSON strings, which are TOML basic strings too.
     """
     lines = [
-        f"# Written by `charly-arbiter attach`; `charly-arbiter detach {holder.ref}` removes",
+        f"# Written by charly-arbiter's attach; {cli_command('detach', operands=[holder.ref])} "
+        "removes",
         "# it and its drop-in.  The keys of a [[holders]] table in arbiter.toml, plus how the",
         "# unit claims (mode) and where its drop-in is.",
         f"kind = {json.dumps(holder.ref.kind)}",
@@ -433,6 +456,22 @@ def _with_attached(config: Config) -> Config:
             raise ConfigError(path, "name", f"{holder.ref} is listed in {where} already")
         holders.append(holder)
     return replace(config, holders=tuple(holders))
+
+
+def sim_directory(host: str | None) -> Path | None:
+    """DIR of a `sim:DIR` host spec (None for any other)."""
+    if host is None or not host.startswith("sim:") or len(host) <= 4:
+        return None
+    return Path(host.removeprefix("sim:"))
+
+
+def _absolute_sim(host: str | None) -> str | None:
+    """`sim:DIR` with DIR made absolute and normal (a relative one means the working
+    directory of the command that named it, not of a process it starts)."""
+    directory = sim_directory(host)
+    if directory is None:
+        return host
+    return f"sim:{os.path.normpath(directory.absolute())}"
 
 
 def _check_host_spec(config: Config) -> None:

@@ -7,20 +7,26 @@ linked to /etc/shadow would be truncated), never one that someone other than
 root could have written.  Each refusal is a `StateDirUnsafe` that names the
 file and what is wrong with it, so an odd state directory is reported in one
 sentence and nothing is touched.  Locks are flocks taken within a deadline.
+
+What the host refuses (a read-only or full filesystem, a missing permission) is
+a `StateDirError` with the path and the fix (`describe_os_error`), never a bare
+OSError: the operator meets it as one or two sentences.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
+import pwd
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
-from charly_arbiter.errors import StateDirUnsafe
+from charly_arbiter.errors import StateDirError, StateDirUnsafe
 
 _POLL = 0.02
 _ODD = {
@@ -33,12 +39,13 @@ _ODD = {
 
 def check_directory(directory: Path, *, create: bool) -> None:
     """The state directory: a real directory, owned by root, writable by nobody else."""
-    if create and not directory.exists() and not directory.is_symlink():
-        directory.mkdir(mode=0o700, parents=True)
-    try:
-        info = os.lstat(directory)
-    except FileNotFoundError:
-        return
+    with host_refusals(directory, "use"):
+        if create and not directory.exists() and not directory.is_symlink():
+            directory.mkdir(mode=0o700, parents=True)
+        try:
+            info = os.lstat(directory)
+        except FileNotFoundError:
+            return
     if stat.S_ISLNK(info.st_mode):
         raise StateDirUnsafe(directory, "it is a symlink")
     if not stat.S_ISDIR(info.st_mode):
@@ -69,7 +76,7 @@ def open_checked(path: Path, flags: int, mode: int = 0o600, *, single_link: bool
     except OSError as error:
         why = _ODD.get(error.errno or 0)
         if why is None:
-            raise
+            raise state_dir_error(path, error, "open") from error
         raise StateDirUnsafe(path, why) from None
     try:
         _check_file_info(path, os.fstat(fd), single_link)
@@ -179,6 +186,107 @@ def fsync_dir(directory: Path) -> None:
             raise
     finally:
         os.close(fd)
+
+
+# -- what the host refused, in sentences ------------------------------------------------
+
+
+@contextlib.contextmanager
+def host_refusals(path: Path, action: str) -> Iterator[None]:
+    """Turn an OSError of the state directory's own steps into a `StateDirError`
+    naming the file it concerns (the error's own, else `path`) and the fix."""
+    try:
+        yield
+    except OSError as error:
+        raise state_dir_error(Path(error.filename or path), error, action) from error
+
+
+def state_dir_error(path: Path, error: OSError, action: str) -> StateDirError:
+    why, fix = describe_os_error(path, error)
+    return StateDirError(path, action, why, fix)
+
+
+def describe_os_error(path: Path, error: OSError) -> tuple[str, str]:
+    """Why the host refused something on `path`, and what an operator does about it."""
+    code = error.errno or 0
+    if code == errno.EROFS:
+        mount = mount_point(path)
+        return (
+            f"it is on a read-only filesystem ({mount})",
+            f"remount {mount} read-write (mount -o remount,rw {mount}), or set state_dir "
+            "(--state-dir) to a directory on a writable filesystem",
+        )
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        mount = mount_point(path)
+        full = "full" if code == errno.ENOSPC else "over its quota"
+        return (
+            f"its filesystem ({mount}) is {full}",
+            f"free space on {mount} (df -h {mount} shows it), then run the command again",
+        )
+    if code in (errno.EACCES, errno.EPERM):
+        if os.geteuid() != 0:
+            owner = _owner_of(path)
+            return (
+                f"permission denied (this runs as {_user(os.geteuid())}"
+                + (f", and {owner[0]} belongs to {owner[1]})" if owner else ")"),
+                "run it as root (sudo charly-arbiter …): the state directory is root's",
+            )
+        return (
+            "permission denied, although this runs as root",
+            f"look for an immutable or append-only attribute (lsattr -d {path}, then "
+            "chattr -i) or a security module's rule (AppArmor, SELinux) on it",
+        )
+    if code in (errno.ENOENT, errno.ENOTDIR):
+        return (
+            "a directory on its path is missing",
+            f"create {path.parent} or set state_dir (--state-dir) to one that exists",
+        )
+    return (error.strerror or str(error), f"check {path} and its filesystem")
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem `path` is on: the longest mount point of this
+    process's mount table that contains it (a bind mount too, which `ismount` misses)."""
+    resolved = os.path.realpath(path)
+    best = "/"
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as table:
+            for line in table:
+                fields = line.split()
+                if len(fields) < 5:
+                    continue
+                point = _unescape(fields[4])
+                inside = resolved == point or resolved.startswith(point.rstrip("/") + "/")
+                if inside and len(point) > len(best):
+                    best = point
+    except OSError:
+        pass
+    return Path(best)
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes a space, a tab, a newline and a backslash as octal escapes."""
+    for escape, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(escape, char)
+    return field
+
+
+def _owner_of(path: Path) -> tuple[Path, str] | None:
+    """The nearest existing ancestor of `path` (or itself) and the user who owns it."""
+    current = path
+    while current != current.parent:
+        try:
+            return current, _user(os.lstat(current).st_uid)
+        except OSError:
+            current = current.parent
+    return None
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def check_owner_and_mode(path: Path, info: os.stat_result) -> None:

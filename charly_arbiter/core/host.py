@@ -18,6 +18,7 @@ from typing import Protocol
 
 from charly_arbiter.core.model import Claimant, ProcessRef
 from charly_arbiter.core.pci import slot_of
+from charly_arbiter.errors import cli_command
 
 # Switch targets: a driver name, or NO_DRIVER for "not vfio-pci, whatever the
 # kernel binds" (a function that had no driver when the token was first seen).
@@ -119,7 +120,7 @@ def common_blocker(token: TokenSpec) -> Blocker | None:
             return Blocker(
                 f"the IOMMU is off ({function.address} has no IOMMU group)",
                 "enable VT-d or AMD-Vi in the firmware and boot with intel_iommu=on "
-                "(or amd_iommu=on), then run `charly-arbiter doctor`",
+                f"(or amd_iommu=on), then run {cli_command('doctor')}",
             )
     foreign = token.foreign_functions()
     if foreign:
@@ -128,7 +129,7 @@ def common_blocker(token: TokenSpec) -> Blocker | None:
             f"its IOMMU group {token.functions[0].iommu_group} also holds {names}, "
             "which would have to leave the host with it",
             "put the card in a slot with an IOMMU group of its own "
-            "(`charly-arbiter detect` shows the groups)",
+            f"({cli_command('detect')} shows the groups)",
         )
     return None
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pwd
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import IO
 
 from charly_arbiter.core import files, ledger_format
 from charly_arbiter.core.crashpoints import crashpoint
@@ -64,14 +66,17 @@ class Ledger:
     # -- reading ---------------------------------------------------------------
 
     def read(self) -> LedgerState:
-        """The current state without taking the lock; raises `LedgerCorrupt`."""
+        """The current state without taking the lock; raises `LedgerCorrupt`, or
+        `StateDirError` when the host refuses the read (a permission)."""
         self._check_state_dir(create=False)
-        # The backup is looked at first: a ledger exists before its first backup
-        # does and never goes away, so a backup seen *before* a missing ledger
-        # means damage, while one seen after may just come from the first writes running meanwhile.
-        backup_existed = self.backup.exists()
-        if self.path.exists() or self.path.is_symlink():
-            return self._load_file(self.path)
+        with files.host_refusals(self.path, "read"):
+            # The backup is looked at first: a ledger exists before its first backup
+            # does and never goes away, so a backup seen *before* a missing ledger
+            # means damage, while one seen after may just come from the first writes
+            # running meanwhile.
+            backup_existed = self.backup.exists()
+            if self.path.exists() or self.path.is_symlink():
+                return self._load_file(self.path)
         if backup_existed:
             raise LedgerCorrupt(self.path, f"it is missing but {self.backup} exists")
         return LedgerState()
@@ -95,7 +100,8 @@ class Ledger:
         """
         self._check_state_dir(create=True)
         with self._locked():
-            txn = Transaction(self._load_for_update_unlocked())
+            with files.host_refusals(self.path, "use"):
+                txn = Transaction(self._load_for_update_unlocked())
             before = txn.state
             yield txn
             if txn.state != before:
@@ -125,9 +131,10 @@ class Ledger:
     def backup_state(self) -> LedgerState:
         """What the backup (the previous generation) says; raises `LedgerCorrupt`."""
         self._check_state_dir(create=False)
-        if not self.backup.exists() and not self.backup.is_symlink():
-            raise LedgerCorrupt(self.backup, "there is no backup")
-        return self._load_file(self.backup)
+        with files.host_refusals(self.backup, "read"):
+            if not self.backup.exists() and not self.backup.is_symlink():
+                raise LedgerCorrupt(self.backup, "there is no backup")
+            return self._load_file(self.backup)
 
     def replace_corrupt(self, state: LedgerState) -> Path | None:
         """Move a corrupt ledger aside (never overwritten) and write `state` in its place.
@@ -138,19 +145,20 @@ class Ledger:
         """
         self._check_state_dir(create=True)
         with self._locked():
-            self._remove_stray_temp_unlocked()
             aside = None
-            if self.path.exists() or self.path.is_symlink():
-                try:
-                    self._load_file(self.path)
-                except LedgerCorrupt:
-                    pass
-                else:
-                    raise LedgerCorrupt(self.path, "it verifies; there is nothing to recover")
-                stamp = time.strftime("%Y%m%dT%H%M%S")
-                aside = self.state_dir / f"{LEDGER}.corrupt-{stamp}-{os.getpid()}"
-                os.rename(self.path, aside)
-                files.fsync_dir(self.state_dir)
+            with files.host_refusals(self.path, "move aside"):
+                self._remove_stray_temp_unlocked()
+                if self.path.exists() or self.path.is_symlink():
+                    try:
+                        self._load_file(self.path)
+                    except LedgerCorrupt:
+                        pass
+                    else:
+                        raise LedgerCorrupt(self.path, "it verifies; there is nothing to recover")
+                    stamp = time.strftime("%Y%m%dT%H%M%S")
+                    aside = self.state_dir / f"{LEDGER}.corrupt-{stamp}-{os.getpid()}"
+                    os.rename(self.path, aside)
+                    files.fsync_dir(self.state_dir)
             self._write_unlocked(replace(state, generation=state.generation + 1))
             return aside
 
@@ -168,7 +176,8 @@ class Ledger:
                 step=lambda name: crashpoint(f"ledger.{name}"),
             )
         except OSError as error:
-            raise LedgerWriteFailed(self.path, f"{error.strerror or error}") from error
+            why, fix = files.describe_os_error(Path(error.filename or self.path), error)
+            raise LedgerWriteFailed(self.path, why, fix) from error
         self._decoded = (data, state)  # the next transaction reads what was just written
         self._write_cache_unlocked(state, ledger_format.checksum_of(data))
 
@@ -213,6 +222,8 @@ class Ledger:
         files.check_existing(path, single_link=False)
         try:
             data = path.read_bytes()
+        except (PermissionError, FileNotFoundError):
+            raise  # the host's refusal (host_refusals says it), not damage
         except OSError as error:
             raise LedgerCorrupt(path, f"cannot be read: {error}") from error
         if self._decoded is not None and self._decoded[0] == data:
@@ -232,12 +243,14 @@ class Ledger:
         handle = os.fdopen(fd, "r+")
         try:
             if not files.lock_within(handle, self.lock_timeout):
-                raise LedgerBusy(self.lock_path, self.lock_timeout, _lock_holder(handle))
-            # The pid is advisory (who last took the lock), for the LedgerBusy message.
-            handle.seek(0)
-            handle.truncate()
-            handle.write(f"{os.getpid()}\n")
-            handle.flush()
+                pid = _lock_holder(handle)
+                raise LedgerBusy(self.lock_path, self.lock_timeout, pid, _user_of(pid))
+            # The pid is advisory (who last took the lock), for the LedgerBusy message;
+            # a full filesystem may refuse it, and that is no reason to fail.
+            # Unbuffered: nothing is left to fail again when the handle is closed.
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
             yield
         finally:
             handle.close()  # closing the descriptor releases the flock
@@ -248,11 +261,39 @@ class Ledger:
         files.check_directory(self.state_dir, create=create)
 
 
-def _lock_holder(handle: object) -> int | None:
-    """The pid written by the process that holds the lock, where it is readable."""
+def _lock_holder(handle: IO[str]) -> int | None:
+    """The process that holds the lock: the kernel's word (/proc/locks, by the lock
+    file's device and inode), else the pid the last taker wrote into the file."""
     try:
-        handle.seek(0)  # type: ignore[attr-defined]
-        text = handle.read(32).strip()  # type: ignore[attr-defined]
+        info = os.fstat(handle.fileno())
+        wanted = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
+        with open("/proc/locks") as locks:
+            for line in locks:
+                fields = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" (a waiter has "->")
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == wanted:
+                    return int(fields[4])
+    except (OSError, ValueError):
+        pass
+    try:
+        handle.seek(0)
+        text = handle.read(32).strip()
         return int(text) if text.isdigit() else None
     except (OSError, ValueError):
         return None
+
+
+def _user_of(pid: int | None) -> str | None:
+    """Who runs `pid`, when it is not this process's user (a lock held by another user)."""
+    if pid is None:
+        return None
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+    if uid == os.geteuid():
+        return None
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"

@@ -7,6 +7,7 @@ the planner decides over it; nothing in this module touches the outside world.
 from __future__ import annotations
 
 import re
+import unicodedata
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -16,9 +17,81 @@ from charly_arbiter.errors import InvalidClaimant
 VFIO = "vfio-pci"
 HOME = "home"  # how a switch to each function's own home driver is named to people
 
-_KIND = re.compile(r"[a-z][a-z0-9_-]{0,31}")
-_MAX_NAME = 256
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_MAX_NAME = 1024  # characters: a bound for the ledger and for messages, above every kind's own
+# Characters no name may have, whatever its kind allows: they cannot be shown in a
+# terminal, a log line or a hint as what they are (controls, C1 controls, format
+# characters such as a right-to-left override, separators that break lines).
+_UNSHOWABLE = frozenset({"Cc", "Cf", "Cs", "Zl", "Zp"})
+# systemd's unit types (systemd.unit(5)), the suffix every unit name ends with.
+UNIT_SUFFIXES = (
+    "service", "socket", "device", "mount", "automount", "swap",
+    "target", "path", "timer", "slice", "scope",
+)  # fmt: skip
+# The characters of a unit name before its suffix (systemd's unit_name_is_valid:
+# letters, digits and `:-_.\`, plus `@` between a template and its instance).
+_UNIT_CHARS = re.compile(r"[A-Za-z0-9:_.\\@-]+")
+_UNIT_MAX = 255  # bytes (UNIT_NAME_MAX is 256 with the terminating NUL)
+_UNIT_MAX_LONG = 4095  # device, mount and swap units are named after paths (PATH_MAX - 1)
+# Podman's and Docker's container names (their own check of a name given with --name).
+_CONTAINER = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
+_PCI = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
+
+
+def _libvirt_problem(name: str) -> str | None:
+    """libvirt refuses `/` in a domain's name (domain_conf.c: "name %s cannot contain
+    '/'") and a newline when a domain is defined (virXMLCheckIllegalChars); anything
+    else, spaces and quotes included, is a name libvirt accepts."""
+    if "/" in name:
+        return "a libvirt domain's name cannot contain '/'"
+    return None
+
+
+def _systemd_problem(name: str) -> str | None:
+    """systemd's unit-name grammar: PREFIX[@INSTANCE].TYPE (unit_name_is_valid)."""
+    prefix, dot, suffix = name.rpartition(".")
+    if not dot or not prefix or suffix not in UNIT_SUFFIXES:
+        return f"a unit name ends with its type: .{', .'.join(UNIT_SUFFIXES)}"
+    limit = _UNIT_MAX_LONG if suffix in ("device", "mount", "swap") else _UNIT_MAX
+    if len(name.encode()) > limit:
+        return f"a .{suffix} unit's name has at most {limit} bytes"
+    if _UNIT_CHARS.fullmatch(prefix) is None:
+        return "a unit name has only letters, digits and : - _ . \\ @ before its type"
+    at = prefix.find("@")  # the first one ends the template's name; the instance may have more
+    if at == 0:
+        return "a unit name cannot start with @"
+    if at == len(prefix) - 1:
+        return "it is a template, which never runs; name an instance (PREFIX@INSTANCE.TYPE)"
+    return None
+
+
+def _container_problem(name: str) -> str | None:
+    if _CONTAINER.fullmatch(name) is None:
+        return "a container name is [a-zA-Z0-9][a-zA-Z0-9_.-]* (Podman's and Docker's rule)"
+    return None
+
+
+def _process_problem(name: str) -> str | None:
+    if not name.isascii() or not name.isdigit() or int(name) == 0:
+        return "a process claimant is process:PID, with PID a process id"
+    return None
+
+
+def _persistence_problem(name: str) -> str | None:
+    if _PCI.fullmatch(name) is None:
+        return "an nvidia-persistence holder is named after its GPU's PCI address"
+    return None
+
+
+# Every kind of claimant or holder, and the rules of what it names (nvidia-persistence
+# is a holder the host finds by itself, never a claimant a person names).
+KINDS = {
+    "libvirt": _libvirt_problem,
+    "systemd": _systemd_problem,
+    "container": _container_problem,
+    "process": _process_problem,
+    "nvidia-persistence": _persistence_problem,
+}
+CLAIMANT_KINDS = ("libvirt", "systemd", "container", "process")
 
 
 def target_label(driver: str) -> str:
@@ -90,19 +163,24 @@ class Claimant(str):
 
     @classmethod
     def parse(cls, text: str) -> Claimant:
+        """`KIND:NAME`, the name checked by the rules of what its kind names (a libvirt
+        domain, a systemd unit, a container, a process), or `InvalidClaimant`."""
         if isinstance(text, Claimant):
             return text
         kind, sep, name = str(text).partition(":")
         if not sep:
             raise InvalidClaimant(text, "write it as KIND:NAME, e.g. libvirt:win11")
-        if _KIND.fullmatch(kind) is None:
-            raise InvalidClaimant(text, "the kind must be a lower-case word such as libvirt")
-        if not name or len(name) > _MAX_NAME:
+        rules = KINDS.get(kind)
+        if rules is None:
+            raise InvalidClaimant(text, f"the kind is one of {', '.join(CLAIMANT_KINDS)}")
+        # (systemd's own bound is in bytes, and longer for units named after paths)
+        if not name or (kind != "systemd" and len(name) > _MAX_NAME):
             raise InvalidClaimant(text, f"the name must have 1 to {_MAX_NAME} characters")
-        if _CONTROL.search(name):
+        if any(unicodedata.category(c) in _UNSHOWABLE for c in name):
             raise InvalidClaimant(text, "the name contains control characters")
-        if kind == "process" and not name.isdigit():
-            raise InvalidClaimant(text, "a process claimant is process:PID")
+        problem = rules(name)
+        if problem is not None:
+            raise InvalidClaimant(text, problem)
         return str.__new__(cls, text)
 
     @classmethod

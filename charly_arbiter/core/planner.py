@@ -21,7 +21,7 @@ from charly_arbiter.core.model import (
     StepState,
     StoppedHolder,
 )
-from charly_arbiter.errors import ClaimRefused, PassthroughImpossible, TokenPoisoned
+from charly_arbiter.errors import ClaimRefused, PassthroughImpossible, TokenPoisoned, cli_command
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,8 @@ def decide_claim(
             ", ".join(own.tokens),
             claimant,
             "it still has a lease from an earlier boot, which the reboot undid on the host",
-            hint=f"run `charly-arbiter restore {claimant}` (or `restore --stranded`) first",
+            hint=f"run {cli_command('restore', operands=[claimant])} "
+            f"(or {cli_command('restore', '--stranded')}) first",
         )
     if own is not None:
         if own.state is LeaseState.ACTIVE and own.mode is mode and set(own.tokens) == set(names):
@@ -154,7 +155,7 @@ def decide_claim(
                 ", ".join(own.tokens),
                 claimant,
                 "its previous lease is still being released",
-                hint=f"run `charly-arbiter restore {claimant}` if no release is running"
+                hint=f"run {cli_command('restore', operands=[claimant])} if no release is running"
                 if claimant in stranded
                 else "try again once the release has finished",
                 retry=True,
@@ -163,7 +164,8 @@ def decide_claim(
             ", ".join(own.tokens),
             claimant,
             f"it already holds a {own.mode} lease in state {own.state}",
-            hint=f"run `charly-arbiter release {claimant}` (or `restore {claimant}`) first",
+            hint=f"run {cli_command('release', operands=[claimant])} "
+            f"(or {cli_command('restore', operands=[claimant])}) first",
         )
 
     for token in tokens:
@@ -175,7 +177,7 @@ def decide_claim(
                     _label(token),
                     claimant,
                     f"it holds a stranded lease of {lease.claimant}",
-                    hint="run `charly-arbiter restore --stranded` first",
+                    hint=f"run {cli_command('restore', '--stranded')} first",
                 )
             if lease.mode is Mode.EXCLUSIVE:
                 raise ClaimRefused(
@@ -346,7 +348,9 @@ def _being_started(
         label,
         claimant,
         f"{record.holder} is being started again by the release of {releasing.claimant}",
-        hint="run `charly-arbiter restore --stranded` first" if stale else "try again in a moment",
+        hint=f"run {cli_command('restore', '--stranded')} first"
+        if stale
+        else "try again in a moment",
         retry=not stale,
     )
 
@@ -458,7 +462,7 @@ def _refuse_unless_shared_elsewhere(
             _label(token),
             claimant,
             f"it is in use by {holder.ref}, whose lease on {', '.join(lease.tokens)} is stranded",
-            hint="run `charly-arbiter restore --stranded` first",
+            hint=f"run {cli_command('restore', '--stranded')} first",
         )
     if lease.state is not LeaseState.ACTIVE:
         raise ClaimRefused(
@@ -480,7 +484,12 @@ def _refuse_by_policy(
             claimant,
             f"it is in use by {ref}{detail}, and this configuration does not stop "
             f"{kind} holders from a hook",
-            hint=policy.refuse_hint.format(holder=ref, claimant=claimant, token=token.name),
+            hint=policy.refuse_hint.format(
+                holder=ref,
+                claimant=claimant,
+                token=token.name,
+                acquire=cli_command("acquire", "--exclusive", operands=[claimant, token.name]),
+            ),
         )
 
 

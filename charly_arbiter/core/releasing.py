@@ -39,7 +39,13 @@ from charly_arbiter.core.model import (
 from charly_arbiter.core.planner import blocks_token, home_map
 from charly_arbiter.core.switching import Switching
 from charly_arbiter.core.tokens import TokenCatalogue
-from charly_arbiter.errors import ArbiterError, ClaimantRunning, LeaseInProgress, SwitchFailed
+from charly_arbiter.errors import (
+    ArbiterError,
+    ClaimantRunning,
+    LeaseInProgress,
+    SwitchFailed,
+    cli_command,
+)
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +164,11 @@ class Releaser:
                     txn.state = txn.state.with_lease(current.owned_by(None))
             break
         if not done:
-            log.error("%s: release incomplete; run `charly-arbiter restore %s`", claimant, claimant)
+            log.error(
+                "%s: release incomplete; run %s",
+                claimant,
+                cli_command("restore", operands=[claimant]),
+            )
 
     def _still_runs(self, lease: Lease) -> bool:
         return (

@@ -18,7 +18,7 @@ from charly_arbiter.core.events import Events, drivers_label
 from charly_arbiter.core.host import Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, Poison, now
-from charly_arbiter.errors import ArbiterError, SwitchFailed
+from charly_arbiter.errors import ArbiterError, SwitchFailed, cli_command, signal_name
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,23 @@ class Switching:
         started = time.monotonic()
         try:
             self.host.switch(token, targets)
+        except KeyboardInterrupt as interrupt:
+            # Cut short by a signal (Ctrl-C on a hung unbind): whether the write went
+            # through, or is stuck in the kernel still, nobody knows; nothing may touch
+            # the GPU until an operator has looked, as after a switch that hung.
+            self.poison(
+                token.name,
+                f"its switch to {drivers_label(targets)} was interrupted by "
+                f"{signal_name(interrupt)} before it returned; its drivers are not known",
+                claimant,
+            )
+            raise
         except SwitchFailed as error:
             self.poison(token.name, str(error), claimant)
             error.hint = (
                 f"{token.name} is poisoned now: nothing claims it until you have checked the "
-                f"GPU and its driver and run `charly-arbiter poison clear {token.name}`"
+                "GPU and its driver and run "
+                + cli_command("poison", "clear", operands=[token.name])
                 + (f" ({error.hint})" if error.hint else "")
             )
             raise

@@ -26,7 +26,7 @@ from charly_arbiter.core.host import (
     common_blocker,
 )
 from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
-from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed
+from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed, cli_command
 from charly_arbiter.host import run
 from charly_arbiter.host.blocking import Writer
 from charly_arbiter.host.console import Console
@@ -115,7 +115,7 @@ class LocalHost:
         if not self.sysfs.exists(address):
             raise HostError(
                 f"token {name}: there is no PCI device {address} on this host",
-                hint="check the token's address in arbiter.toml against `charly-arbiter detect`",
+                hint=f"check the token's address in arbiter.toml against {cli_command('detect')}",
             )
         return [self._with_default_driver(f) for f in self.sysfs.group_functions(address)]
 

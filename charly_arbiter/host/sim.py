@@ -46,7 +46,7 @@ from charly_arbiter.core.host import (
 )
 from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
 from charly_arbiter.core.pci import vf_address
-from charly_arbiter.errors import HolderError, HostError, SwitchFailed, SwitchHung
+from charly_arbiter.errors import HolderError, HostError, SwitchFailed, SwitchHung, cli_command
 from charly_arbiter.host.blocking import TimedOut, bounded
 from charly_arbiter.host.procscan import (
     DeviceNumber,
@@ -81,7 +81,7 @@ class SimHost:
         if not (directory / "host.toml").is_file():
             raise HostError(
                 f"the simulated host {directory} has no host.toml",
-                hint=f"run `charly-arbiter --host sim:{directory} sim init` to create one",
+                hint=f"run {cli_command('sim', 'init', operands=[str(directory)])} to create one",
             )
 
     # -- description and state ---------------------------------------------------
@@ -157,7 +157,8 @@ class SimHost:
         if gpu is None:
             raise HostError(
                 f"token {name}: there is no PCI device {address} on {self.description}",
-                hint="check the token's address in arbiter.toml against `charly-arbiter detect`",
+                hint="check the token's address in arbiter.toml against the devices of "
+                f"{self.directory / 'host.toml'}",
             )
         return [
             f

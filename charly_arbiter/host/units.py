@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from charly_arbiter.core import files
-from charly_arbiter.errors import ArbiterError, CommandFailed
+from charly_arbiter.errors import CommandFailed, UsageError, cli_command
 from charly_arbiter.host import run
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ _BARE = re.compile(r"[A-Za-z0-9_./:=@+,-]+")
 
 def check_unit(name: str) -> None:
     if _UNIT.fullmatch(name) is None or name.startswith(".") or "@." in name:
-        raise ArbiterError(
+        raise UsageError(
             f"{name!r} is not the name of a service unit",
             hint="attach a service by its full name, such as systemd:ollama.service",
         )
@@ -60,11 +60,14 @@ def exec_line(argv: Sequence[str]) -> str:
     return " ".join(quote(argument) for argument in argv)
 
 
-def dropin_text(ref: str, acquire: Sequence[str], release: Sequence[str]) -> str:
+def dropin_text(
+    ref: str, tokens: Sequence[str], acquire: Sequence[str], release: Sequence[str]
+) -> str:
     """The drop-in: `acquire` and `release` are whole argvs (program first, absolute)."""
     return "\n".join(
         [
-            f"# Written by `charly-arbiter attach {ref}`; `charly-arbiter detach {ref}`",
+            f"# Written by {cli_command('attach', operands=[ref, *tokens])}; "
+            f"{cli_command('detach', operands=[ref])}",
             "# removes it.  The unit claims its GPUs before it starts and releases them however",
             "# it stopped; a refused claim fails the start with the reason in the unit's log.",
             "[Service]",

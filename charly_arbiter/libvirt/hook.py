@@ -12,7 +12,9 @@ Contract (docs/libvirt.md): nothing on stdout (libvirt reads it as XML for
 some operations); `prepare` refuses with a non-zero exit and one or two
 sentences on stderr; `release` and `reconnect` always exit 0; `migrate`
 refuses a domain with an exclusive claim; every other operation exits 0 at
-once.  The guest name is untrusted: it only ever becomes `libvirt:NAME`.
+once.  Exit codes follow the CLI's contract (1 error, 2 usage or a guest name no
+claimant can have, 3 refused).  The guest name is untrusted: it only ever
+becomes `libvirt:NAME`, and only after the XML says the domain may claim a GPU.
 """
 
 from __future__ import annotations
@@ -51,15 +53,19 @@ def main(argv: list[str]) -> int:
     except Exception as error:  # the boundary: one sentence, and the right exit code
         from charly_arbiter.errors import ArbiterError
 
+        code = 1
         if isinstance(error, ArbiterError):
             say(str(error), error.hint)
+            code = error.exit_code
         else:
             if os.environ.get("CHARLY_ARBITER_DEBUG"):
                 import traceback
 
                 traceback.print_exc()
             say(f"internal error in the {operation} hook for {guest!r}: {error!r}", None)
-        return 0 if operation in ALWAYS_SUCCEED else 1
+        # libvirt goes on only on 0: a refused (3), unusable (2) or failed (1) prepare
+        # keeps the VM from starting; a stop is never held back.
+        return 0 if operation in ALWAYS_SUCCEED else code
 
 
 def _dispatch(guest: str, operation: str, extra: str) -> int:

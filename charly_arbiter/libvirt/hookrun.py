@@ -15,13 +15,14 @@ import logging
 from charly_arbiter.compose import (
     DETACHED,
     HookSession,
+    build_arbiter,
     spawn_finish_release,
 )
-from charly_arbiter.core.config import Config
+from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, Mode
 from charly_arbiter.core.planner import NO_POLICY, Policy
-from charly_arbiter.errors import ArbiterError
+from charly_arbiter.errors import InvalidClaimant, Refused, cli_command
 from charly_arbiter.host.markers import HOOK_DIR, marked
 from charly_arbiter.host.sysfs import Roots
 from charly_arbiter.libvirt.domainxml import (
@@ -42,10 +43,18 @@ def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
     """One handled operation for a domain whose XML may claim (`xml` is None when it
     was too large to read whole; the ledger then decides alone)."""
     log_setup(0, stderr=False)
-    ref = Claimant.parse(f"libvirt:{guest}")
     facts = None if xml is None else parse_domain(xml, guest)
     if facts is not None and not facts.mentions_gpus:
         return 0
+    try:
+        ref = Claimant.parse(f"libvirt:{guest}")
+    except InvalidClaimant:
+        # A name no claimant can have (libvirt allows a tab, the arbiter does not): a
+        # domain that claims no GPU after all goes on; one that does fails closed, its
+        # start refused (exit 2).  A stop exits 0 at the boundary whatever happens.
+        if facts is not None and operation == "prepare" and _claim_of(facts) is None:
+            return 0
+        raise
     hook = HookRun(ref, guest)
     with marked(hook.config.state_dir, HOOK_DIR, str(ref)):
         try:
@@ -61,6 +70,18 @@ def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
             return hook.migrate(claim)
         finally:
             hook.close()
+
+
+def _claim_of(facts: DomainFacts) -> DomainClaim | None:
+    """The claim a domain's XML makes, asked without its name (no holder is asked)."""
+    config = load_config()
+    arbiter = build_arbiter(config)
+    try:
+        return resolve_claim(
+            facts, arbiter.tokens.token_for_address, lambda uuid: mdev_parent(Roots().sys, uuid)
+        )
+    finally:
+        arbiter.host.close()
 
 
 class HookRun(HookSession):
@@ -134,7 +155,7 @@ class HookRun(HookSession):
             return 0
         if claim is None:
             return 0
-        acquire = f"`charly-arbiter acquire --{claim.mode} {self.ref} {' '.join(claim.tokens)}`"
+        acquire = cli_command("acquire", f"--{claim.mode}", operands=[self.ref, *claim.tokens])
         others = sorted(
             {other.claimant for token in claim.tokens for other in state.leases_on(token)}
         )
@@ -142,11 +163,11 @@ class HookRun(HookSession):
             # Its GPU sits in another lease (left stranded while libvirtd was down):
             # that one must be restored first, acquiring now would only be refused.
             log.warning(
-                "%s runs with %s but holds no lease; %s still lease it: run "
-                "`charly-arbiter restore --stranded`, then %s",
+                "%s runs with %s but holds no lease; %s still lease it: run %s, then %s",
                 self.ref,
                 ", ".join(claim.tokens),
                 ", ".join(others),
+                cli_command("restore", "--stranded"),
                 acquire,
             )
         else:
@@ -160,7 +181,7 @@ class HookRun(HookSession):
 
     def migrate(self, claim: DomainClaim | None) -> int:
         if claim is not None and claim.mode is Mode.EXCLUSIVE:
-            raise ArbiterError(
+            raise Refused(
                 f"{self.ref} cannot migrate: it holds {', '.join(claim.tokens)} exclusively "
                 "(a passed-through GPU stays on its host)",
                 hint=f"shut {self.guest} down and start it on the other host instead",
@@ -173,8 +194,7 @@ def preemption_policy(config: Config) -> Policy:
     if config.libvirt_preemption == "refuse":
         return Policy(
             refuse_kinds=frozenset({"libvirt"}),
-            refuse_hint="stop {holder} first (virsh shutdown), or run `charly-arbiter "
-            "acquire --exclusive {claimant} {token}` outside libvirt, then start "
-            "the VM again",
+            refuse_hint="stop {holder} first (virsh shutdown), or run {acquire} outside "
+            "libvirt, then start the VM again",
         )
     return NO_POLICY

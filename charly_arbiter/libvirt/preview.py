@@ -12,7 +12,7 @@ from __future__ import annotations
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.model import Claimant
 from charly_arbiter.core.planner import ClaimPlan
-from charly_arbiter.errors import ArbiterError
+from charly_arbiter.errors import UsageError, cli_command
 from charly_arbiter.host.sysfs import Roots
 from charly_arbiter.libvirt.domains import KIND, LibvirtHolders
 from charly_arbiter.libvirt.domainxml import DomainClaim, mdev_parent, parse_domain, resolve_claim
@@ -27,7 +27,7 @@ def domain_claim(arbiter: Arbiter, name: str) -> DomainClaim | None:
     finally:
         source.close()
     if xml is None:
-        raise ArbiterError(
+        raise UsageError(
             f"libvirt at {arbiter.config.libvirt_uri} has no domain named {name}",
             hint="`virsh list --all` lists the domains",
         )
@@ -43,9 +43,10 @@ def preview_start(arbiter: Arbiter, claimant: str) -> ClaimPlan | None:
     """The plan of starting `claimant` (libvirt:NAME); None when it claims no GPU."""
     ref = Claimant.parse(claimant)
     if ref.kind != KIND:
-        raise ArbiterError(
+        raise UsageError(
             f"{claimant} is not a libvirt domain: only a domain's definition says what it claims",
-            hint="name the mode and the tokens: `charly-arbiter plan --exclusive CLAIMANT TOKEN`",
+            hint="name the mode and the tokens: "
+            + cli_command("plan", "--exclusive", operands=[ref, "TOKEN"]),
         )
     claim = domain_claim(arbiter, ref.name)
     if claim is None:

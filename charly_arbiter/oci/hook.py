@@ -73,10 +73,13 @@ def _dispatch(stages: list[str | None], engine: str | None) -> int:
 
     raw = sys.stdin.buffer.read(MAX_STATE + 1)
     if len(raw) > MAX_STATE:
-        raise ValueError(f"the container state is larger than {MAX_STATE >> 20} MiB")
-    state = json.loads(raw)
+        raise _unreadable(f"it is larger than {MAX_STATE >> 20} MiB")
+    try:
+        state = json.loads(raw)
+    except ValueError as error:
+        raise _unreadable(f"it is not JSON ({error})") from None
     if not isinstance(state, dict):
-        raise ValueError("the container state is not a JSON object")
+        raise _unreadable("it is not a JSON object")
     stage = stages[0] or STATUSES.get(str(state.get("status")))
     stages.append(stage)
     if stage is None:
@@ -87,6 +90,14 @@ def _dispatch(stages: list[str | None], engine: str | None) -> int:
     from charly_arbiter.oci import hookrun
 
     return hookrun.dispatch(stage, state, spec, engine)
+
+
+def _unreadable(why: str) -> Exception:
+    """What the runtime handed on stdin is not a container's state (exit 1: the start
+    fails closed, a stop still exits 0)."""
+    from charly_arbiter.errors import ArbiterError
+
+    return ArbiterError(f"the container state on stdin cannot be used: {why}")
 
 
 def _read_spec(bundle: object) -> object:

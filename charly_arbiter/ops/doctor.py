@@ -8,6 +8,7 @@ reachability) through `run_checks(more=...)`.
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,10 +16,11 @@ from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 
+from charly_arbiter.core import files
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Host
-from charly_arbiter.errors import ArbiterError
+from charly_arbiter.errors import ArbiterError, cli_command
 from charly_arbiter.host import run
 from charly_arbiter.host.detect import FunctionInfo, detect, group_problems
 from charly_arbiter.host.local import NVIDIA_VENDOR, LocalHost
@@ -78,7 +80,7 @@ def host_checks(config: Config, host: Host, vm_memory: int) -> list[Check]:
                     f"token {name}",
                     Level.PROBLEM,
                     f"there is no PCI device {address}",
-                    "fix the token's address in arbiter.toml (see `charly-arbiter detect`)",
+                    f"fix the token's address in arbiter.toml (see {cli_command('detect')})",
                 )
             )
             continue
@@ -203,7 +205,7 @@ def ledger_checks(arbiter: Arbiter) -> list[Check]:
                 f"poison {token}",
                 Level.PROBLEM,
                 f"{token} is poisoned since {poison.since}: {poison.reason}",
-                f"check the GPU by hand, then `charly-arbiter poison clear {token}`",
+                f"check the GPU by hand, then {cli_command('poison', 'clear', operands=[token])}",
             )
         )
     if not state.poisoned:
@@ -214,7 +216,7 @@ def ledger_checks(arbiter: Arbiter) -> list[Check]:
             "stranded",
             Level.PROBLEM,
             f"stranded leases: {', '.join(stranded)}",
-            "run `charly-arbiter restore --stranded`",
+            f"run {cli_command('restore', '--stranded')}",
         )
         if stranded
         else Check("stranded", Level.OK, "no stranded leases")
@@ -242,3 +244,39 @@ def run_checks(
         except ArbiterError as error:
             checks.append(Check("doctor", Level.PROBLEM, str(error), error.hint or ""))
     return checks
+
+
+# -- the state directory's writability (issue 17) -----------------------------------------
+
+PROBE_BYTES = 4096  # about one ledger generation
+
+
+def state_dir_check(state_dir: Path) -> Check:
+    """Whether the arbiter can write its state directory, by doing it: a probe file
+    created, written, fsynced and removed there (permissions and the mount flags
+    say nothing of a full filesystem, an immutable or append-only attribute, or a
+    security module's rule).  A directory not made yet is judged by the one it will
+    be made in, without writing there."""
+    existing = state_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing != state_dir:
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+        if read_only or not os.access(existing, os.W_OK | os.X_OK):
+            code = errno.EROFS if read_only else errno.EACCES
+            why, fix = files.describe_os_error(existing, OSError(code, os.strerror(code)))
+            return Check("state dir", Level.PROBLEM, f"{state_dir} cannot be created: {why}", fix)
+        return Check("state dir", Level.OK, f"{state_dir} will be created in {existing}")
+    probe = state_dir / f".doctor-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            files.write_all(fd, bytes(PROBE_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    except OSError as error:
+        why, fix = files.describe_os_error(state_dir, error)
+        return Check("state dir", Level.PROBLEM, f"{state_dir} cannot be written: {why}", fix)
+    return Check("state dir", Level.OK, f"{state_dir} is writable")

@@ -5,7 +5,9 @@ and `metrics` read).  The journal too on a real host, where its socket
 exists; a simulated host's events are not the machine's, so they reach a
 journal only when `CHARLY_ARBITER_JOURNAL_SOCKET` names one (tests do).
 Progress lines on stderr only for an interactive command, never for the
-hook, whose stderr libvirt keeps.
+hook, whose stderr libvirt keeps.  An event the history cannot take (a full or
+read-only state directory) is a warning in a sentence that names the file and
+the fix; it never fails the step it records.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from charly_arbiter.core import files
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.events import Events, Sink
 from charly_arbiter.ops.history import HistoryLog
@@ -30,8 +34,7 @@ def events_for(
     journal_socket: Path | None = None,
     environ: Mapping[str, str] = os.environ,
 ) -> Events:
-    history = HistoryLog(config.state_dir)
-    sinks: list[Sink] = [history.append]
+    sinks: list[Sink] = [_history_sink(HistoryLog(config.state_dir))]
     socket_path = journal_socket or _journal_socket(config, environ)
     if socket_path is not None:
         from charly_arbiter.ops.journal import JournalSink  # (socket: only when there is one)
@@ -42,6 +45,17 @@ def events_for(
 
         sinks.append(Progress(sys.stderr))
     return Events(sinks)
+
+
+def _history_sink(history: HistoryLog) -> Sink:
+    def append(kind: str, fields: dict[str, Any]) -> None:
+        try:
+            history.append(kind, fields)
+        except OSError as error:
+            path = Path(error.filename or history.path)
+            raise files.state_dir_error(path, error, "record the event in") from error
+
+    return append
 
 
 def _journal_socket(config: Config, environ: Mapping[str, str]) -> Path | None:

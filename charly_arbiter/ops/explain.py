@@ -17,6 +17,7 @@ from datetime import UTC, datetime, timedelta
 from charly_arbiter.core.arbiter import Status, TokenStatus
 from charly_arbiter.core.events import describe
 from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState
+from charly_arbiter.errors import cli_command
 from charly_arbiter.ops.history import Record
 
 
@@ -129,8 +130,8 @@ def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list
     if lease.claimant in facts.status.stranded:
         sentences.append(
             f"The lease of {lease.claimant} is stranded: {stranded_why(lease, facts.boot_id)}. "
-            f"Fix: run `charly-arbiter restore {lease.claimant}` (it brings back what was "
-            "stopped, sends the GPU home and drops the lease)."
+            f"Fix: run {cli_command('restore', operands=[lease.claimant])} (it brings back "
+            "what was stopped, sends the GPU home and drops the lease)."
         )
     elif lease.state is not LeaseState.ACTIVE:
         by = f" by process {lease.owner.pid}" if lease.owner else ""
@@ -157,7 +158,7 @@ def _poison(token: TokenStatus, facts: Facts) -> list[str]:
         f"{token.name} is poisoned since {_when(token.since, facts)}: {token.reason}.",
         "Nothing will claim or switch it until an operator clears the poison.",
         f"Fix: check the GPU and its driver by hand (`lspci -nnk -s {token.address}`), "
-        f"then run `charly-arbiter poison clear {token.name}`.",
+        f"then run {cli_command('poison', 'clear', operands=[token.name])}.",
     ]
 
 

@@ -28,7 +28,7 @@ from typing import Any
 from charly_arbiter.core import files
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import STEP_STARTS
-from charly_arbiter.errors import ArbiterError
+from charly_arbiter.errors import ArbiterError, UsageError
 from charly_arbiter.host.procscan import alive as process_runs
 
 PROC_ROOT = Path("/proc")
@@ -245,7 +245,7 @@ def parse_since(text: str, now: datetime | None = None) -> datetime:
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        raise ArbiterError(
+        raise UsageError(
             f"{text!r} is not a time",
             hint="give --since as 30m, 2h, 1d, 1w or an ISO date such as 2026-11-29T14:00",
         ) from None

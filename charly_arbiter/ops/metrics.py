@@ -92,7 +92,7 @@ class _Collector:
 
         poisoned = GaugeMetricFamily(
             f"{PREFIX}_token_poisoned",
-            "1 when a failed switch poisoned the token (needs `charly-arbiter poison clear`).",
+            "1 when a failed switch poisoned the token (cleared by charly-arbiter's poison clear).",
             labels=["token"],
         )
         for token in status.tokens:
@@ -101,7 +101,7 @@ class _Collector:
 
         yield GaugeMetricFamily(
             f"{PREFIX}_stranded_claimants",
-            "Leases whose claimant is gone (needs `charly-arbiter restore`).",
+            "Leases whose claimant is gone (ended by charly-arbiter's restore).",
             value=len(status.stranded),
         )
         stranded = GaugeMetricFamily(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.model import VFIO, Claimant, LeaseState, LedgerState, Mode, Poison, now
-from charly_arbiter.errors import ArbiterError, LedgerCorrupt
+from charly_arbiter.errors import ArbiterError, LedgerCorrupt, Refused, cli_command
 
 
 @dataclass(frozen=True)
@@ -78,9 +78,9 @@ def recover(
             ),
         )
     elif comparison.backup is None:
-        raise ArbiterError(
+        raise Refused(
             f"the backup cannot be used: {comparison.backup_problem}",
-            hint="check the host by hand, then run `charly-arbiter recover --empty --yes`",
+            hint=f"check the host by hand, then run {cli_command('recover', '--empty', '--yes')}",
         )
     else:
         state = comparison.backup

@@ -125,7 +125,7 @@ def test_detach_removes_both_and_refuses_while_the_unit_holds_a_lease(sim, units
     assert dropin.exists() and record.exists()
     sim.cli("acquire", "--shared", REF, "gpu0", check=True)
     refused = sim.cli("detach", REF)
-    assert refused.returncode == 1
+    assert refused.returncode == 3
     assert "holds a shared lease on gpu0" in refused.stderr
     assert dropin.exists() and record.exists()
 
@@ -138,7 +138,7 @@ def test_detach_removes_both_and_refuses_while_the_unit_holds_a_lease(sim, units
 
 def test_attach_refuses_what_it_cannot_do_and_changes_nothing(sim, units) -> None:
     cases = [
-        (["systemd:not a unit", "gpu0"], "is not the name of a service unit"),
+        (["systemd:not a unit", "gpu0"], "a unit name ends with its type"),
         (["systemd:x.socket", "gpu0"], "is not the name of a service unit"),
         (["libvirt:vm", "gpu0"], "only systemd units attach"),
         (["systemd:x.service", "gpu9"], "gpu9"),

@@ -37,7 +37,7 @@ def test_exit_codes(sim):
     assert_short_error(refused, "gpu0", "libvirt:win11", "hint:")
 
     unknown = sim.cli("acquire", "--shared", "container:x", "gpu9")
-    assert unknown.returncode == 1
+    assert unknown.returncode == 2  # a name that names nothing: usage
     assert_short_error(unknown, "gpu9", "gpu0, gpu1")
 
     usage = sim.cli("acquire", "libvirt:x", "gpu0")
@@ -57,7 +57,7 @@ def test_non_preemptible_refusal_names_the_holder(sim):
 
 def test_bad_claimant_is_an_error_naming_it(sim):
     result = sim.cli("acquire", "--shared", "nocolon", "gpu0")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert_short_error(result, "'nocolon'", "KIND:NAME")
 
 
@@ -332,6 +332,6 @@ def test_sim_commands(tmp_path):
         cwd=REPO,
         timeout=60,
     )
-    assert again.returncode == 1 and "exists" in again.stderr
+    assert again.returncode == 3 and "exists" in again.stderr  # refused: nothing overwritten
     local = cli("--host", "local", "sim", "show")
-    assert local.returncode == 1 and "sim:DIR" in local.stderr
+    assert local.returncode == 2 and "sim:DIR" in local.stderr

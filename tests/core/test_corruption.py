@@ -205,7 +205,7 @@ def test_recover_when_the_backup_is_corrupt_too(sim, good):
     look = sim.cli("recover")
     assert "the backup cannot be used" in look.stdout and "--empty --yes" in look.stdout
     no_backup = sim.cli("recover", "--yes")
-    assert no_backup.returncode == 1 and "--empty --yes" in no_backup.stderr
+    assert no_backup.returncode == 3 and "--empty --yes" in no_backup.stderr  # refused
     assert path.read_bytes() == b""
     fresh = sim.cli("recover", "--empty", "--yes")
     assert fresh.returncode == 0, fresh.stderr

@@ -138,15 +138,28 @@ from charly_arbiter.core.model import (  # noqa: E402
     StoppedHolder,
 )
 
-# Any text a name may hold: quotes, backslashes, tabs, other scripts, separators.
+# Any text a libvirt domain's name may hold: quotes, backslashes, colons, other
+# scripts, spaces (not '/', nor what no terminal shows: controls, format characters).
 names = st.text(
-    alphabet=st.characters(blacklist_categories=("Cs", "Cc"), blacklist_characters=":"),
+    alphabet=st.characters(
+        blacklist_categories=("Cs", "Cc", "Cf", "Zl", "Zp"), blacklist_characters="/"
+    ),
     min_size=1,
     max_size=20,
 )
 texts = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=30)
-claimants = st.builds(
-    lambda kind, name: Claimant.of(kind, name), st.sampled_from(["libvirt", "container"]), names
+claimants = st.one_of(
+    st.builds(lambda name: Claimant.of("libvirt", name), names),
+    st.builds(
+        lambda name: Claimant.of("container", name),
+        st.from_regex(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,19}", fullmatch=True),
+    ),
+    st.builds(
+        lambda name: Claimant.of("systemd", name),
+        st.from_regex(
+            r"[a-zA-Z0-9:_.\\-]{1,12}(@[a-zA-Z0-9:_.\\@-]{1,8})?\.(service|scope)", fullmatch=True
+        ),
+    ),
 )
 tokens = st.lists(
     st.from_regex(r"[a-z0-9._-]{1,8}", fullmatch=True), min_size=1, max_size=3, unique=True

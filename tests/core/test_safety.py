@@ -108,7 +108,7 @@ def test_a_vm_destroyed_and_started_at_once_runs_with_its_lease(sim):
         third = hook(
             sim, "linux-dev", "prepare", "begin", "-", domain_xml("linux-dev", "0000:0a:00.0")
         )
-        assert third.returncode == 1 and b"held exclusively by libvirt:win11" in third.stderr
+        assert third.returncode == 3 and b"held exclusively by libvirt:win11" in third.stderr
         sim.stopped("libvirt:win11")
         assert hook(sim, "win11", "release", "end", "destroyed", xml).returncode == 0
         settle(sim)
@@ -128,7 +128,7 @@ def test_a_prepare_that_waits_too_long_for_its_release_is_refused_clearly(sim):
         _unfinished_lease_by(sim, process_ref(PROC, sleeper.pid), LeaseState.RELEASING)
         started = time.monotonic()
         result = hook(sim, "win11", "prepare", "begin", "-", domain_xml("win11", "0000:0a:00.0"))
-        assert result.returncode == 1
+        assert result.returncode == 3  # refused: the start fails, as on any non-zero
         assert b"its previous lease is still being released" in result.stderr
         assert time.monotonic() - started >= 1.0
     finally:
@@ -265,7 +265,7 @@ def test_a_pid_reused_by_another_process_is_not_the_writer(sim):
         sim.stopped("libvirt:win11")
         assert "libvirt:win11" not in sim.status()["stranded"]
         refused = sim.cli("restore", "libvirt:win11")
-        assert refused.returncode == 1 and f"by process {other.pid}" in refused.stderr
+        assert refused.returncode == 3 and f"by process {other.pid}" in refused.stderr
     finally:
         other.kill()
         other.wait()
@@ -384,7 +384,7 @@ def test_a_host_that_cannot_pass_through_refuses_before_stopping_anything(sim, f
     sim.set_host(fault + (sim.sim_dir / "host.toml").read_text())
     before = (ledger_bytes(sim.state_dir), host_state(sim))
     result = hook(sim, "win11", "prepare", "begin", "-", domain_xml("win11", "0000:0a:00.0"))
-    assert result.returncode == 1
+    assert result.returncode == 3
     assert why.encode() in result.stderr and b"cannot pass it through" in result.stderr
     assert (ledger_bytes(sim.state_dir), host_state(sim)) == before
     assert "refused" in sim.cli("history").stdout
@@ -423,9 +423,9 @@ def test_a_token_whose_lease_is_releasing_is_not_shown_idle(sim):
 
 
 def test_events_quote_values_with_spaces_in_the_log(sim):
-    result = sim.cli("-v", "acquire", "--shared", "container:my llm", "gpu1")
+    result = sim.cli("-v", "acquire", "--shared", "libvirt:my llm", "gpu1")
     assert result.returncode == 0, result.stderr
-    assert 'claimant="container:my llm"' in result.stderr
+    assert 'claimant="libvirt:my llm"' in result.stderr
 
 
 def test_every_holder_stays_recorded_through_a_refused_claim(sim):

@@ -295,15 +295,15 @@ LAUGHS = b"""<?xml version="1.0"?><!DOCTYPE d [<!ENTITY a "aaaaaaaaaa">
         pytest.param(
             ["qemu", "a\nb", "prepare", "begin", "-"],
             HOSTDEV_XML % b"a",
-            1,
+            2,
             "control characters",
             id="newline-name",
         ),
         pytest.param(
-            ["qemu", "x" * 300, "prepare", "begin", "-"],
+            ["qemu", "x" * 1100, "prepare", "begin", "-"],
             HOSTDEV_XML % b"x",
-            1,
-            "1 to 256",
+            2,
+            "1 to 1024",
             id="long-name",
         ),
         pytest.param(
@@ -340,7 +340,7 @@ LAUGHS = b"""<?xml version="1.0"?><!DOCTYPE d [<!ENTITY a "aaaaaaaaaa">
         pytest.param(
             ["qemu", "vm", "migrate", "begin", "-"],
             HOSTDEV_XML % b"vm",
-            1,
+            3,
             "cannot migrate",
             id="migrate-exclusive",
         ),
@@ -370,8 +370,9 @@ def test_bad_input_to_the_hook(
 
 
 def test_odd_guest_names_never_become_paths(lv: Libvirt) -> None:
-    """A name full of path and shell syntax is only ever `libvirt:NAME` in the ledger."""
-    odd = "../../tmp/x;$(touch /tmp/ca-pwned)"
+    """A name full of shell syntax and dots is only ever `libvirt:NAME` in the ledger
+    (libvirt refuses a '/' in a domain's name, and so does the arbiter: see below)."""
+    odd = "..;$(touch ca-pwned) `id` 'x' \"y\" 虚拟机"
     xml = (
         f'<domain><name>x</name><metadata><ca:claim xmlns:ca="{"https://charly-arbiter.org/xmlns/claim/1"}"'
         ' mode="shared"><ca:token>gpu1</ca:token></ca:claim></metadata></domain>'
@@ -380,11 +381,17 @@ def test_odd_guest_names_never_become_paths(lv: Libvirt) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout == b""
     assert list(lv.leases()) == [f"libvirt:{odd}"]
-    assert not os.path.exists("/tmp/ca-pwned")
-    assert not os.path.exists("/tmp/x;$(touch /tmp/ca-pwned)")
+    assert not os.path.exists("ca-pwned") and not os.path.exists("/tmp/ca-pwned")
     result = lv.hook("qemu", odd, "release", "end", "-", stdin=xml)
     assert result.returncode == 0, result.stderr
     assert lv.leases() == {}
+    # A name with a '/' is none libvirt can have: refused at prepare (exit 2, nothing
+    # written), never a path; its release exits 0.
+    slashed = "../../tmp/x"
+    refused = lv.hook("qemu", slashed, "prepare", "begin", "-", stdin=xml)
+    assert refused.returncode == 2 and b"cannot contain '/'" in refused.stderr
+    assert lv.leases() == {}
+    assert lv.hook("qemu", slashed, "release", "end", "-", stdin=xml).returncode == 0
 
 
 def test_claim_set_with_virsh_metadata_is_read(lv: Libvirt) -> None:

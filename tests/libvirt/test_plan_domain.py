@@ -52,6 +52,6 @@ def test_plan_of_a_domain_keeps_the_hooks_policy_and_says_what_claims_nothing(
     nothing = lv.cli("plan", "--json", f"libvirt:{plain}")
     assert json.loads(nothing.stdout) == {"claimant": f"libvirt:{plain}", "claims_nothing": True}
     missing = lv.cli("plan", "libvirt:ca-e2e-nowhere")
-    assert missing.returncode == 1
+    assert missing.returncode == 2  # a name that names nothing
     assert "has no domain named ca-e2e-nowhere" in missing.stderr
     assert "virsh list --all" in missing.stderr

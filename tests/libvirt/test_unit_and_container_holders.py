@@ -58,14 +58,14 @@ def test_systemd_unit_listed_for_a_token_is_stopped_and_started(
     fake: tuple[str, Path, Path],
 ) -> None:
     program, state, log = fake
-    (state / "-rf ollama.service").touch()
+    (state / "-rf-ollama.service").touch()
     source = SystemdHolders(
-        config(HolderConfig("systemd:-rf ollama.service", ("gpu0",), preemptible=True)),
+        config(HolderConfig("systemd:-rf-ollama.service", ("gpu0",), preemptible=True)),
         systemctl=program,
     )
     [holder] = source.holders([GPU0, GPU1])
     assert (holder.ref, holder.running, holder.preemptible) == (
-        "systemd:-rf ollama.service",
+        "systemd:-rf-ollama.service",
         True,
         True,
     )
@@ -74,8 +74,8 @@ def test_systemd_unit_listed_for_a_token_is_stopped_and_started(
     assert not source.is_running(holder.ref)
     source.start(holder.ref)
     assert source.is_running(holder.ref)
-    assert ["stop", "--", "-rf ollama.service"] in calls(log)
-    assert ["start", "--", "-rf ollama.service"] in calls(log)
+    assert ["stop", "--", "-rf-ollama.service"] in calls(log)
+    assert ["start", "--", "-rf-ollama.service"] in calls(log)
 
 
 def test_systemd_failure_is_a_holder_error_naming_the_unit(fake: tuple[str, Path, Path]) -> None:

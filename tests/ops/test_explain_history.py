@@ -94,7 +94,7 @@ def test_explain_a_holder_that_was_stopped_for_a_claim(sim):
 
 def test_explain_an_unknown_token_lists_the_known_ones(sim):
     result = sim.cli("explain", "gpu9")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "there is no token named 'gpu9' (known tokens: gpu0, gpu1)" in result.stderr
 
 
@@ -124,7 +124,7 @@ def test_history_filters_by_token_claimant_and_time(sim):
     assert len(json.loads(sim.cli("history", "--json", "--since", "1h").stdout)) == len(everything)
     assert sim.cli("history", "--since", "2999-01-01").stdout.strip() == "no events"
     bad = sim.cli("history", "--since", "soon")
-    assert bad.returncode == 1 and "'soon' is not a time" in bad.stderr
+    assert bad.returncode == 2 and "'soon' is not a time" in bad.stderr
 
 
 def test_history_skips_a_torn_line_with_a_note(sim):

@@ -1,0 +1,450 @@
+"""The exit-code contract over the whole CLI and the hooks, as one table.
+
+`charly_arbiter/cli/exits.py` says, for every command, subcommand and hook, which
+exit status each situation gets (0 success, 1 error, 2 usage, 3 refused); this
+runs a real process against the simulated host for every one of its rows, and
+fails for a command of cli/__init__.py COMMANDS (or a subcommand, or a hook) that
+has no rows there, and for a row that no case here exercises.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import click
+import pytest
+from clitools import READ_ONLY, ledger_locked, namespaced
+from simhosts import default_host
+
+from charly_arbiter.cli import COMMANDS
+from charly_arbiter.cli.app import build
+from charly_arbiter.cli.exits import EVERY_COMMAND, HOOKS, TABLE, in_document, rows
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Lease, LeaseState, Mode, Poison
+from charly_arbiter.host.procscan import process_ref
+from charly_arbiter.ops.history import HistoryLog
+from tests.conftest import DEFAULT_CONFIG, REPO, SimEnv
+
+HOSTDEV = (
+    "<domain type='kvm'><name>{name}</name><devices><hostdev mode='subsystem' type='pci' "
+    "managed='yes'><source><address domain='0x0000' bus='0x{bus}' slot='0x00' function='0x0'/>"
+    "</source></hostdev></devices></domain>"
+)
+
+
+NIC = HOSTDEV.format(name="a b", bus="05")
+OCI_STATE = '{"id": "c", "status": "creating", "bundle": "{bundle}"}'
+OCI_CDI = (
+    '{"id": "c", "status": "creating", "bundle": "{bundle}", '
+    '"annotations": {"cdi.k8s.io/gpu": "nvidia.com/gpu=0"}}'
+)
+# Commands whose output is a report: a failure's reason may be in it, on stdout.
+REPORTS = ("status", "doctor", "plan")
+
+
+@dataclass(frozen=True)
+class Case:
+    command: str  # a key of exits.TABLE
+    code: int
+    argv: tuple[str, ...]
+    setup: str = "fresh"  # a scenario below
+    says: str = ""  # a piece of what it prints (stdout or stderr)
+    stdin: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return f"{self.command}-{self.code}-{self.setup}-{'_'.join(self.argv)[:40]}"
+
+
+C = Case
+CASES = [
+    C("charly-arbiter", 0, ("--version",), says="charly-arbiter"),
+    C("charly-arbiter", 2, (), says="Usage:"),
+    C("charly-arbiter", 2, ("frobnicate",), says="No such command"),
+    C("status", 0, ("status",), "poisoned", says="POISONED"),
+    C("status", 1, ("status",), "corrupt", says="corrupt"),
+    C("status", 1, ("status",), "world_writable", says="writable"),
+    C("status", 2, ("status", "--follow"), says="--follow needs --json"),
+    C("acquire", 0, ("acquire", "--exclusive", "libvirt:win11", "gpu0"), says="holds gpu0"),
+    C("acquire", 1, ("acquire", "--exclusive", "libvirt:win11", "gpu0"), "failing", "poisoned"),
+    C("acquire", 1, ("acquire", "--shared", "container:c", "gpu0"), "lock_held", "held by process"),
+    C("acquire", 1, ("acquire", "--shared", "container:c", "gpu0"), "read_only", "read-only"),
+    C("acquire", 2, ("acquire", "libvirt:x", "gpu0"), says="--exclusive or --shared"),
+    C("acquire", 2, ("acquire", "--exclusive", "--shared", "libvirt:x", "gpu0"), says="exclude"),
+    C("acquire", 2, ("acquire", "--shared", "container:x", "gpu9"), says="gpu0, gpu1"),
+    C("acquire", 2, ("acquire", "--shared", "nocolon", "gpu0"), says="KIND:NAME"),
+    C("acquire", 2, ("acquire", "--shared", "container:my llm", "gpu0"), says="container name"),
+    C("acquire", 2, ("acquire", "--shared", "systemd:x.exe", "gpu0"), says="unit name"),
+    C("acquire", 2, ("acquire", "--shared", "process:12a", "gpu0"), says="process:PID"),
+    C("acquire", 2, ("acquire", "--shared", "libvirt:a/b", "gpu0"), says="'/'"),
+    C("acquire", 2, ("acquire", "--shared", "vm:x", "gpu0"), says="the kind is one of"),
+    C("acquire", 3, ("acquire", "--exclusive", "libvirt:other", "gpu0"), "held", "exclusively"),
+    C("acquire", 3, ("acquire", "--shared", "container:c", "gpu0"), "poisoned", "poisoned"),
+    C("acquire", 3, ("acquire", "--exclusive", "libvirt:w", "gpu1"), says="not preemptible"),
+    C("acquire", 3, ("acquire", "--shared", "libvirt:win11", "gpu0"), "in_progress", "acquiring"),
+    C("acquire", 3, ("acquire", "--shared", "container:c", "gpu0"), "in_progress", "held"),
+    C("release", 0, ("release", "libvirt:nobody"), says="holds no lease"),
+    C("release", 0, ("release", "--force", "libvirt:win11"), "held", "released"),
+    C("release", 1, ("release", "--force", "libvirt:win11"), "failing_start", "not everything"),
+    C("release", 2, ("release", "libvirt:"), says="1 to"),
+    C("release", 3, ("release", "libvirt:win11"), "held", "still runs"),
+    C("release", 3, ("release", "--force", "libvirt:win11"), "in_progress", "still running"),
+    C("restore", 0, ("restore", "--stranded"), says="nothing to restore"),
+    C("restore", 0, ("restore", "--force", "libvirt:win11"), "held", "restored libvirt:win11"),
+    C("restore", 1, ("restore", "--force", "libvirt:win11"), "failing_start", "not everything"),
+    C("restore", 2, ("restore", "--stranded", "libvirt:x"), says="not both"),
+    C("restore", 2, ("restore", "systemd:"), says="1 to"),
+    C("restore", 3, ("restore", "libvirt:win11"), "held", "still runs"),
+    C("restore", 3, ("restore", "libvirt:win11"), "in_progress", "still running"),
+    C("poison", 2, ("poison",), says="Usage:"),
+    C("poison list", 0, ("poison", "list"), says="no token is poisoned"),
+    C("poison list", 1, ("poison", "list"), "corrupt", "corrupt"),
+    C("poison clear", 0, ("poison", "clear", "gpu0"), "poisoned", "cleared the poison"),
+    C("poison clear", 0, ("poison", "clear", "gpu1"), says="is not poisoned"),
+    C("poison clear", 1, ("poison", "clear", "gpu0"), "corrupt", "corrupt"),
+    C("poison clear", 2, ("poison", "clear", "gpu9"), says="gpu0, gpu1"),
+    C("sim", 2, ("sim",), says="Usage:"),
+    C("sim init", 0, ("sim", "init", "{root}/new"), says="wrote"),
+    C("sim init", 1, ("sim", "init", "{config}/under-a-file"), says="cannot use"),
+    C("sim init", 3, ("sim", "init", "{sim}"), says="exists"),
+    C("sim show", 0, ("sim", "show"), says="boot_id"),
+    C("sim show", 2, ("--host", "local", "sim", "show"), says="simulated host"),
+    C("sim stop", 0, ("sim", "stop", "container:llm")),
+    C("sim stop", 2, ("sim", "stop", "container:-x"), says="container name"),
+    C("sim stop", 2, ("--host", "local", "sim", "stop", "container:llm"), says="simulated"),
+    C("sim start", 0, ("sim", "start", "container:llm")),
+    C("sim start", 2, ("sim", "start", "nocolon"), says="KIND:NAME"),
+    C("sim reboot", 0, ("sim", "reboot")),
+    C("sim reboot", 2, ("--host", "local", "sim", "reboot"), says="simulated"),
+    C("detect", 0, ("--host", "local", "detect", "--json"), says="functions"),
+    C("detect", 2, ("detect",), says="this machine's PCI devices"),
+    C("doctor", 0, ("doctor", "--hook", "{config}")),
+    C("doctor", 1, ("doctor", "--hook", "{config}"), "poisoned", "problem"),
+    C("doctor", 1, ("doctor", "--hook", "{config}"), "read_only", "read-only"),
+    C("plan", 0, ("plan", "--shared", "container:c", "gpu0"), says="can claim gpu0"),
+    C("plan", 1, ("plan", "--shared", "container:c", "gpu0"), "broken_host", "cannot read"),
+    C("plan", 2, ("plan", "--shared", "container:c"), says="name the TOKENS"),
+    C("plan", 2, ("plan", "container:c", "gpu0"), says="--exclusive or --shared"),
+    C("plan", 2, ("plan", "--shared", "--exclusive", "container:c", "gpu0"), says="exclude"),
+    C("plan", 2, ("plan", "--shared", "container:c", "gpu9"), says="gpu0, gpu1"),
+    C("plan", 2, ("plan", "libvirt:win11"), says="needs libvirt"),
+    C("plan", 2, ("plan", "container:c"), says="not a libvirt domain"),
+    C("plan", 3, ("plan", "--exclusive", "libvirt:other", "gpu0"), "held", "would be refused"),
+    C("explain", 0, ("explain", "gpu0"), says="gpu0"),
+    C("explain", 0, ("explain", "libvirt:nobody"), says="holds no lease"),
+    C("explain", 1, ("explain", "gpu0"), "world_writable", "writable"),
+    C("explain", 2, ("explain", "gpu9"), says="gpu0, gpu1"),
+    C("explain", 2, ("explain", "container:a b"), says="container name"),
+    C("history", 0, ("history",), says="no events"),
+    C("history", 0, ("history", "--token", "gpu7"), "gpu7_in_history", "claims gpu7"),
+    C("history", 1, ("history", "--token", "gpu0"), "broken_host", "cannot read"),
+    C("history", 2, ("history", "--token", "gpu9"), says="gpu0, gpu1"),
+    C("history", 2, ("history", "--claimant", "vm"), says="KIND:NAME"),
+    C("history", 2, ("history", "--since", "soon"), says="is not a time"),
+    C("metrics", 0, ("metrics",), says="charly_arbiter_ledger_generation"),
+    C("metrics", 1, ("metrics", "--output", "{config}/x.prom"), says="could not write"),
+    C("recover", 0, ("recover",), says="nothing to recover"),
+    C("recover", 0, ("recover",), "corrupt", "nothing was written"),
+    C("recover", 1, ("recover",), "world_writable", "writable"),
+    C("recover", 3, ("recover", "--yes"), "corrupt_both", "cannot be used"),
+    C(
+        "attach",
+        0,
+        ("attach", "--unit-dir", "{root}/units", "llm.service", "gpu0"),
+        says="attached",
+    ),
+    C("attach", 1, ("attach", "--unit-dir", "{config}/u", "llm.service", "gpu0"), says="cannot"),
+    C("attach", 2, ("attach", "--unit-dir", "{root}/u", "x.socket", "gpu0"), says="service unit"),
+    C("attach", 2, ("attach", "--exclusive", "--shared", "x.service", "gpu0"), says="exclude"),
+    C("attach", 2, ("attach", "--unit-dir", "{root}/u", "x.service", "gpu9"), says="gpu0, gpu1"),
+    C("attach", 3, ("attach", "--unit-dir", "{root}/u", "ollama.service", "gpu0"), "listed", "in"),
+    C("detach", 0, ("detach", "llm.service"), says="is not attached"),
+    C("detach", 1, ("detach", "llm.service"), "attached_unsafe", "writable"),
+    C("detach", 2, ("detach", "x.socket"), says="service unit"),
+    C("detach", 3, ("detach", "llm.service"), "attached_and_held", "holds a shared lease"),
+    # The hooks: no options, their own argv; libvirt and runtimes go on only on 0.
+    C("hook qemu", 0, ("hook", "qemu", "vm", "start", "begin", "-")),
+    C("hook qemu", 0, ("hook", "qemu", "vm", "prepare", "begin", "-"), stdin="<domain/>"),
+    C("hook qemu", 0, ("hook", "qemu", "vm", "release", "end", "-"), stdin=HOSTDEV, says=""),
+    # A domain that claims no GPU starts whatever its name (here a NIC at 0000:05:00.0).
+    C("hook qemu", 0, ("hook", "qemu", "a\tb", "prepare", "begin", "-"), stdin=NIC),
+    C("hook qemu", 1, ("hook", "qemu", "vm", "prepare", "begin", "-"), stdin="<hostdev>"),
+    C("hook qemu", 2, ("hook", "qemu", "vm"), says="usage"),
+    C("hook qemu", 2, ("hook", "qemu", "a\tb", "prepare", "begin", "-"), stdin=HOSTDEV),
+    C("hook qemu", 3, ("hook", "qemu", "vm", "prepare", "begin", "-"), "held", stdin=HOSTDEV),
+    C("hook qemu", 3, ("hook", "qemu", "win11", "migrate", "begin", "-"), "held", stdin=HOSTDEV),
+    C("hook oci", 0, ("hook", "oci", "prestart"), "bundle", stdin=OCI_STATE),
+    C("hook oci", 0, ("hook", "oci", "poststop"), stdin="not json", says="not JSON"),
+    C("hook oci", 1, ("hook", "oci", "prestart"), stdin="not json", says="not JSON"),
+    C("hook oci", 2, ("hook", "oci", "frobnicate"), says="usage"),
+    C("hook oci", 3, ("hook", "oci", "prestart"), "cdi_poisoned", "poisoned", stdin=OCI_CDI),
+    C("hook oci-inject", 0, ("hook", "oci-inject", "{bundle}"), "bundle"),
+    C("hook oci-inject", 1, ("hook", "oci-inject", "{root}"), says="cannot add"),
+    C("hook oci-inject", 2, ("hook", "oci-inject"), says="usage"),
+]
+
+
+# -- the scenarios -----------------------------------------------------------------------
+
+
+def _poison(sim: SimEnv) -> None:
+    with Ledger(sim.state_dir).transaction() as txn:
+        txn.state = txn.state.with_poison("gpu0", Poison("unbind hung", "2026-01-01T00:00:00"))
+
+
+def _hold(sim: SimEnv) -> None:
+    sim.arbiter().acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+
+
+def _corrupt(sim: SimEnv) -> None:
+    _hold(sim)
+    (sim.state_dir / "ledger.toml").write_bytes(b"generation = 1\n# torn")
+
+
+def _corrupt_both(sim: SimEnv) -> None:
+    _corrupt(sim)
+    (sim.state_dir / "ledger.toml.bak").write_bytes(b"not toml [")
+
+
+def _world_writable(sim: SimEnv) -> None:
+    sim.state_dir.mkdir(mode=0o700)
+    sim.state_dir.chmod(0o777)
+
+
+def _failing(sim: SimEnv) -> None:
+    sim.set_host(default_host(gpu0="fail_switch = true"))
+
+
+def _failing_start(sim: SimEnv) -> None:
+    _hold(sim)
+    sim.set_host(default_host(llm="fail_start = true"))
+
+
+def _in_progress(sim: SimEnv) -> Iterator[None]:
+    """A lease of libvirt:win11 that a live process (a real one, asleep) is acquiring."""
+    sleeper = subprocess.Popen(["/bin/sleep", "120"])
+    try:
+        owner = process_ref(Path("/proc"), sleeper.pid)
+        assert owner is not None
+        lease = Lease(
+            claimant="libvirt:win11",
+            mode=Mode.EXCLUSIVE,
+            tokens=("gpu0",),
+            state=LeaseState.ACQUIRING,
+            transient=False,
+            boot_id=sim.host().boot_id(),
+            created="2026-01-01T00:00:00+00:00",
+        ).owned_by(owner)
+        with Ledger(sim.state_dir).transaction() as txn:
+            txn.state = txn.state.with_lease(lease)
+        yield
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def _lock_held(sim: SimEnv) -> Iterator[None]:
+    """A real second process holds the ledger lock, past a short lock_wait."""
+    sim.config_path.write_text(
+        sim.config_path.read_text().replace("lock_wait = 20", "lock_wait = 0.5")
+    )
+    with ledger_locked(sim.state_dir):
+        yield
+
+
+def _read_only(sim: SimEnv) -> None:
+    """The state directory on a read-only filesystem: a read-only bind mount of it,
+    in the test's own mount namespace (see the case runner)."""
+    sim.state_dir.mkdir(mode=0o700)
+
+
+def _broken_host(sim: SimEnv) -> None:
+    sim.set_host("[[devices]\n")
+
+
+def _listed(sim: SimEnv) -> None:
+    sim.config_path.write_text(
+        sim.config_path.read_text()
+        + '\n[[holders]]\nkind = "systemd"\nname = "ollama.service"\ntokens = ["gpu0"]\n'
+    )
+
+
+def _attached_and_held(sim: SimEnv) -> None:
+    units = sim.root / "units"
+    result = sim.cli("attach", "--unit-dir", str(units), "llm.service", "gpu0")
+    assert result.returncode == 0, result.stderr
+    sim.arbiter().acquire("systemd:llm.service", Mode.SHARED, ["gpu0"])
+
+
+def _attached_unsafe(sim: SimEnv) -> None:
+    _attached_and_held(sim)
+    sim.state_dir.chmod(0o777)
+
+
+def _gpu7_in_history(sim: SimEnv) -> None:
+    """A token the configuration no longer has, in the history of when it had it."""
+    sim.state_dir.mkdir(mode=0o700)
+    HistoryLog(sim.state_dir).append(
+        "claim", {"claimant": "libvirt:old", "token": "gpu7", "mode": "shared"}
+    )
+
+
+def _cdi_poisoned(sim: SimEnv) -> None:
+    sim.config_path.write_text(
+        sim.config_path.read_text().replace(
+            'address = "0000:0a:00.0"\n',
+            'address = "0000:0a:00.0"\ncdi_devices = ["nvidia.com/gpu=0"]\n',
+        )
+    )
+    _poison(sim)
+    _bundle(sim)
+
+
+def _bundle(sim: SimEnv) -> None:
+    bundle = sim.root / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text('{"ociVersion": "1.0.2"}')
+
+
+SCENARIOS: dict[str, Callable[[SimEnv], Iterator[None] | None]] = {
+    "fresh": lambda sim: None,
+    "poisoned": _poison,
+    "held": _hold,
+    "corrupt": _corrupt,
+    "corrupt_both": _corrupt_both,
+    "world_writable": _world_writable,
+    "failing": _failing,
+    "failing_start": _failing_start,
+    "in_progress": _in_progress,
+    "lock_held": _lock_held,
+    "read_only": _read_only,
+    "broken_host": _broken_host,
+    "listed": _listed,
+    "attached_and_held": _attached_and_held,
+    "cdi_poisoned": _cdi_poisoned,
+    "attached_unsafe": _attached_unsafe,
+    "gpu7_in_history": _gpu7_in_history,
+    "bundle": _bundle,
+}
+
+
+def _stdin(sim: SimEnv, case: Case) -> str:
+    if case.stdin == HOSTDEV:
+        bus = "0b" if case.setup == "fresh" else "0a"
+        name = case.argv[2] if case.argv[1] == "qemu" else "vm"
+        return HOSTDEV.format(name=name.replace("\t", " "), bus=bus)
+    return case.stdin.replace("{bundle}", str(sim.root / "bundle"))
+
+
+def _run(sim: SimEnv, case: Case) -> subprocess.CompletedProcess[str]:
+    words = {
+        "root": str(sim.root),
+        "sim": str(sim.sim_dir),
+        "config": str(sim.config_path),
+        "bundle": str(sim.root / "bundle"),
+    }
+    argv = [arg.format(**words) for arg in case.argv]
+    command = [sys.executable, "-m", "charly_arbiter", *argv]
+    if case.setup == "read_only":
+        # A read-only bind mount of the state directory, in a mount namespace of
+        # this process's own (unshare -m): the kernel answers EROFS for real.
+        command = namespaced(READ_ONLY, sim.state_dir, command)
+    return subprocess.run(
+        command,
+        input=_stdin(sim, case),
+        capture_output=True,
+        text=True,
+        env={**sim.env(), **case.env},
+        timeout=120,
+        cwd=REPO,
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_every_row_of_the_exit_table(make_sim: Callable[..., SimEnv], case: Case) -> None:
+    sim = make_sim(config=DEFAULT_CONFIG + "\n")
+    setup = SCENARIOS[case.setup](sim)
+    try:
+        if setup is not None:
+            next(setup)
+        started = time.monotonic()
+        result = _run(sim, case)
+        elapsed = time.monotonic() - started
+    finally:
+        if setup is not None:
+            next(setup, None)
+    said = result.stdout + result.stderr
+    assert result.returncode == case.code, f"{case.argv} exited {result.returncode}:\n{said}"
+    assert case.says in said, (case.says, said)
+    assert "Traceback" not in said and "internal error" not in said, said
+    assert elapsed < 60
+    if case.code and case.command not in HOOKS + REPORTS:
+        assert result.stderr.strip(), "a failure says why on stderr"
+
+
+def _command_tree() -> list[str]:
+    """Every command and subcommand of the real CLI, by its words after charly-arbiter."""
+    found: list[str] = ["charly-arbiter"]
+
+    def walk(command: click.Command, ctx: click.Context, path: list[str]) -> None:
+        if isinstance(command, click.Group):
+            for name in command.list_commands(ctx):
+                sub = command.get_command(ctx, name)
+                assert sub is not None
+                found.append(" ".join([*path, name]))
+                walk(sub, click.Context(sub, info_name=name, parent=ctx), [*path, name])
+
+    cli = build(COMMANDS)
+    walk(cli, click.Context(cli, info_name="charly-arbiter"), [])
+    return found
+
+
+def test_the_table_has_rows_for_every_command_and_a_case_for_every_row() -> None:
+    commands = _command_tree()
+    assert set(COMMANDS) <= set(commands)
+    missing = [command for command in [*commands, *HOOKS] if command not in TABLE]
+    assert not missing, f"commands without exit rows in cli/exits.py: {missing}"
+    stale = [command for command in TABLE if command not in [*commands, *HOOKS]]
+    assert not stale, f"rows for commands that do not exist: {stale}"
+    covered = {(case.command, case.code) for case in CASES}
+    untested = [
+        (command, row.code, row.when)
+        for command in TABLE
+        for row in TABLE[command]
+        if (command, row.code) not in covered
+    ]
+    assert not untested, f"rows no case exercises: {untested}"
+
+
+@pytest.mark.parametrize("command", [c for c in _command_tree() if c != "charly-arbiter"])
+def test_every_command_refuses_an_unknown_option_with_2(sim: SimEnv, command: str) -> None:
+    """EVERY_COMMAND's row, for each command: an option it does not have is a usage error."""
+    assert [row.code for row in EVERY_COMMAND] == [2]
+    result = sim.cli(*command.split(), "--no-such-option")
+    assert result.returncode == 2, result.stderr
+    assert "No such option" in result.stderr and result.stdout == ""
+    assert 2 in [row.code for row in rows(command)]
+
+
+@pytest.mark.parametrize(
+    "command",
+    ["status", "poison list", "history", "explain gpu0", "acquire --shared container:x gpu0"],
+)
+def test_a_configuration_that_is_not_valid_exits_2(sim: SimEnv, command: str) -> None:
+    sim.config_path.write_text('host = "nowhere"\n')
+    result = sim.cli(*command.split())
+    assert result.returncode == 2, result.stderr
+    assert str(sim.config_path) in result.stderr
+
+
+def test_the_docs_show_the_table_this_module_holds() -> None:
+    """docs/operations.md's table is generated from cli/exits.py, never edited by hand
+    (`PYTHONPATH=. python3 packaging/gen-manpages.py --exit-table docs/operations.md`)."""
+    document = (REPO / "docs" / "operations.md").read_text()
+    assert in_document(document) == document
