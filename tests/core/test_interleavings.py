@@ -356,10 +356,10 @@ def test_the_explorer_finds_a_planted_race(monkeypatch):
     """The harness can fail: with a new exclusive claim no longer taking over (or
     waiting for) the holders a release is bringing back — the pre-fix behaviour — some
     schedule breaks an invariant, and the explorer finds it."""
-    from charly_arbiter.core import planner, releasing
+    from charly_arbiter.core import planner, release_planner
 
     monkeypatch.setattr(planner, "_take_over_pending_restarts", lambda *args: [])
-    monkeypatch.setattr(releasing, "taken_meanwhile", lambda *args: [])
+    monkeypatch.setattr(release_planner, "taken_meanwhile", lambda *args: [])
     with pytest.raises(AssertionError, match=r"I1|I2|I3"):
         test_release_that_reinstates_a_shared_claimant_against_a_new_exclusive_claim()
 
