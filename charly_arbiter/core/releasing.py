@@ -120,26 +120,30 @@ class Releaser:
             return False
         # Asked before the lock, since it may be a libvirt call; the planner refuses.
         runs = not force and self._runs(state, ref)
-        return self._release(ref, success, reason, claimant_runs=runs, announce=True)
+        plan = self._release(ref, success, reason, claimant_runs=runs, announce=True)
+        return plan is not None
 
-    def begin(self, claimant: str, success: bool, reason: str) -> bool:
+    def begin(self, claimant: str, success: bool, reason: str) -> ReleasePlan | None:
         """Only the intent: the lease turns releasing, under the lock.
 
         The hooks do this before they hand the rest to a detached process, so
         that a `prepare` of the same VM right after (destroy, then start) finds
         the lease releasing and waits, instead of finding it active and starting
-        the VM without one.  False when there is no lease.
+        the VM without one.  The plan it wrote, or None when there was no lease;
+        the rest is `finish(claimant, ..., takeover=<this process>)`, in another
+        process or this one, and only where `plan.lease` is not None (a shared
+        lease that is not the last on its GPUs ends at the intent).
         """
-        return self._release(
-            Claimant.parse(claimant), success, reason, announce=True, only_intent=True
-        )
+        ref = Claimant.parse(claimant)
+        return self._release(ref, success, reason, announce=True, only_intent=True)
 
     def finish(
         self, claimant: str, success: bool, reason: str, takeover: ProcessRef | None = None
     ) -> bool:
         """Release the lease to the end.  `takeover` is the process that began this
         release and handed it on (the hook): its lease is continued, not refused."""
-        return self._release(Claimant.parse(claimant), success, reason, takeover=takeover)
+        ref = Claimant.parse(claimant)
+        return self._release(ref, success, reason, takeover=takeover) is not None
 
     def _release(
         self,
@@ -151,10 +155,11 @@ class Releaser:
         claimant_runs: bool = False,
         announce: bool = False,
         only_intent: bool = False,
-    ) -> bool:
+    ) -> ReleasePlan | None:
         """Decide under the lock, on the state read under it, and write the intent;
         then (unless `only_intent`) carry it out.  The host facts are read before
-        the lock; only the writer's liveness is asked under it (one /proc read)."""
+        the lock; only the writer's liveness is asked under it (one /proc read).
+        None when there is no lease."""
         tokens = self._tokens_now()
         boot_id = self.host.boot_id()
         with self.ledger.transaction() as txn:
@@ -171,7 +176,7 @@ class Releaser:
                 reason=reason,
             )
             if plan is None:
-                return False
+                return None
             txn.state = rules.apply_intent(txn.state, plan)
         if announce:
             self.events.emit(
@@ -180,7 +185,7 @@ class Releaser:
         crashpoint("release.intent")
         if plan.lease is not None and not only_intent:
             self.carry_out(plan, {spec.name: spec for spec in tokens})
-        return True
+        return plan
 
     # -- carrying it out --------------------------------------------------------------------
 

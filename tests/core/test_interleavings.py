@@ -123,7 +123,8 @@ def hook_release(claimant: str, *, then_start: bool = False):
     def operation(world: World, pid: int) -> None:
         hook = world.arbiter(pid)
         hook.host.set_running(claimant, False)
-        if hook.releaser().begin(claimant, True, "destroyed"):
+        begun = hook.releaser().begin(claimant, True, "destroyed")
+        if begun is not None and begun.lease is not None:
 
             def finish(world: World, finisher: int) -> None:
                 detached = world.arbiter(finisher)
