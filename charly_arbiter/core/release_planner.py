@@ -329,14 +329,17 @@ def _not_due(lease: Lease, token: str, others: Sequence[Lease]) -> HomeWay | Non
 
     Not when the acquire being rolled back never switched it (it is where it
     was: not ours to move), not when an earlier attempt of this release sent
-    it home already, and not while another lease that still holds one of this
-    lease's tokens names it (a shared GPU stays home for its other users).
+    it home already, and not while another lease still holds it (a shared GPU
+    stays home for its other users).  Holds, not names: a releasing lease that
+    has let go of the token no longer counts, or a GPU could stay on vfio-pci
+    with no lease at all (I2; the exhaustive test found it on a ledger the
+    claim rules never write, where the check was `token in other.tokens`).
     """
     if lease.state is LeaseState.ACQUIRING and lease.switch_state(token) is None:
         return HomeWay.UNTOUCHED
     if lease.state is LeaseState.RELEASING and lease.switch_state(token) is StepState.DONE:
         return HomeWay.GONE_HOME
-    if any(token in other.tokens for other in others):
+    if any(blocks_token(other, token) for other in others):
         return HomeWay.SHARED
     return None
 
