@@ -31,7 +31,7 @@ from charly_arbiter.core.release_planner import (
 )
 from charly_arbiter.core.switching import Switching
 from charly_arbiter.core.tokens import TokenCatalogue
-from charly_arbiter.errors import ArbiterError, SwitchFailed
+from charly_arbiter.errors import ArbiterError, SwitchFailed, cli_command
 
 log = logging.getLogger(__name__)
 
@@ -57,22 +57,12 @@ class Releaser:
 
     # -- deciding -------------------------------------------------------------------------
 
-    def plan(
-        self,
-        claimant: str,
-        *,
-        force: bool = False,
-        success: bool = True,
-        reason: str = "",
-        takeover: ProcessRef | None = None,
-        state: LedgerState | None = None,
-    ) -> ReleasePlan | None:
-        """Decide the release of `claimant` over `state` (default: the ledger as it is,
-        read without the lock: what `plan --release` shows).  Everything the decision
-        needs from the host is read here, before any lock: whether the claimant still
-        runs (unless `force`), which lease writers are alive, the tokens' drivers."""
+    def plan(self, claimant: str, *, force: bool = False) -> ReleasePlan | None:
+        """What releasing `claimant` would do, decided over the ledger as it is (read
+        without the lock) and the host as it is, changing nothing: `plan --release`.
+        With `force`, as `release --force` (the claimant is not asked whether it runs)."""
         ref = Claimant.parse(claimant)
-        state = self.ledger.read() if state is None else state
+        state = self.ledger.read()
         return decide_release(
             state,
             ref,
@@ -81,9 +71,6 @@ class Releaser:
             boot_id=self.host.boot_id(),
             live_writers=self._live_writers(state, ref),
             claimant_runs=not force and self._runs(state, ref),
-            takeover=takeover,
-            success=success,
-            reason=reason,
         )
 
     def _runs(self, state: LedgerState, claimant: Claimant) -> bool:
@@ -205,7 +192,7 @@ class Releaser:
             if end is not End.MORE:
                 break
         if end is End.INCOMPLETE:
-            log.error("%s: release incomplete; run `charly-arbiter restore %s`", claimant, claimant)
+            log.error("%s: release incomplete; run %s", claimant, cli_command("restore", claimant))
 
     def _send_home(self, claimant: Claimant, step: HomeStep, spec: TokenSpec | None) -> None:
         if step.way is HomeWay.UNKNOWN or spec is None:
