@@ -100,7 +100,7 @@ def lease(claimant: str, mode: Mode, tokens: tuple[str, ...], state: LeaseState,
         created="2026-01-01T00:00:00+00:00",
         **kw,
     )
-    return made if state is ACTIVE else made.owned_by(kw.pop("owner", DEAD))
+    return made if state is ACTIVE else made.owned_by(DEAD)
 
 
 def shapes(claimant: Claimant, modes: tuple[Mode, ...]) -> list[Lease]:
