@@ -39,6 +39,7 @@ from charly_arbiter.core.planner import (
     blocks_token,
     decide_claim,
 )
+from charly_arbiter.core.release_planner import ReleasePlan, may_run_on_it
 from charly_arbiter.core.releasing import Releaser
 from charly_arbiter.core.switching import Switching
 from charly_arbiter.core.tokens import TokenCatalogue
@@ -129,6 +130,11 @@ class Arbiter:
             boot_id=boot_id,
             blockers=self._blockers(mode, tokens),
         )
+
+    def plan_release(self, claimant: str, *, force: bool = False) -> ReleasePlan | None:
+        """Decide a release against the live host and ledger, changing nothing (None:
+        the claimant holds no lease).  Raises the refusal the release would meet."""
+        return self.releaser().plan(claimant, force=force)
 
     def _blockers(self, mode: Mode, tokens: Sequence[TokenSpec]) -> dict[str, Blocker]:
         if mode is not Mode.EXCLUSIVE:
@@ -437,12 +443,7 @@ def _runs_with_active_lease(
 ) -> bool:
     """Whether `claimant` holds an active lease of this boot and still runs."""
     lease = state.lease_of(claimant)
-    return (
-        lease is not None
-        and lease.state is LeaseState.ACTIVE
-        and lease.boot_id == boot_id
-        and arbiter.host.is_running(claimant)
-    )
+    return lease is not None and may_run_on_it(lease, boot_id) and arbiter.host.is_running(claimant)
 
 
 def _refuse_if_holders_came_back(

@@ -1,61 +1,39 @@
-"""Releasing a lease: send its GPUs home and bring back what it stopped.
+"""Carrying a release out: the steps of core/release_planner.py's plan, one by one.
 
-Used by `release` (a VM stopped), by `restore` (a stranded lease) and by an
-acquire that failed half-way (its rollback).  Like acquiring, it commits its
-intent first (the lease turns `releasing`, each token's way home planned),
-acts outside the lock, and records each step, so that a crash leaves a lease
-`restore` can finish.  A shared lease that is not the last on its GPU sends
-nothing home: what it stopped belongs to the GPU, and moves to a lease that
-stays.
-
-Bringing a holder back is decided under the lock, one holder at a time: if an
-exclusive lease now holds one of the holder's tokens, the record moves to that
-lease (it brings the holder back when it ends); otherwise the record turns
-STARTING, which keeps any new exclusive claim on those tokens waiting until
-the holder runs (and, for a preempted shared claimant, has its lease back).
+Used by `release` (a VM stopped), by `restore` (a stranded lease), by an
+acquire that failed half-way (its rollback) and by the hooks' hand-off (`begin`
+in the hook, `finish` in the detached process it starts).  Every rule lives in
+the planner; this module only reads the host, takes the lock for each small
+transaction (deciding and writing in it, on the state read under it), and acts
+on the host with the lock let go.  The intent is written first, so a crash at
+any point leaves a lease `restore` can finish.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from collections.abc import Collection
+from dataclasses import replace
 
+from charly_arbiter.core import release_planner as rules
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import Events, drivers_label
 from charly_arbiter.core.host import Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import (
-    VFIO,
-    Claimant,
-    Lease,
-    LeaseState,
-    LedgerState,
-    Mode,
-    ProcessRef,
-    StepState,
-    StoppedHolder,
-    now,
+from charly_arbiter.core.model import VFIO, Claimant, LedgerState, ProcessRef, now
+from charly_arbiter.core.release_planner import (
+    ComebackWay,
+    End,
+    HomeStep,
+    HomeWay,
+    ReleasePlan,
+    decide_release,
 )
-from charly_arbiter.core.planner import blocks_token, home_map
 from charly_arbiter.core.switching import Switching
 from charly_arbiter.core.tokens import TokenCatalogue
-from charly_arbiter.errors import (
-    ArbiterError,
-    ClaimantRunning,
-    LeaseInProgress,
-    SwitchFailed,
-    cli_command,
-)
+from charly_arbiter.errors import ArbiterError, SwitchFailed, cli_command
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _Comeback:
-    """What to do about one stopped holder, decided under the lock."""
-
-    record: StoppedHolder
-    start: bool  # False: handed to another lease, or another lease brings it back
 
 
 class Releaser:
@@ -77,381 +55,238 @@ class Releaser:
         self.switching = switching
         self.owner = owner
 
+    # -- deciding -------------------------------------------------------------------------
+
+    def plan(self, claimant: str, *, force: bool = False) -> ReleasePlan | None:
+        """What releasing `claimant` would do, decided over the ledger as it is (read
+        without the lock) and the host as it is, changing nothing: `plan --release`.
+        With `force`, as `release --force` (the claimant is not asked whether it runs)."""
+        ref = Claimant.parse(claimant)
+        state = self.ledger.read()
+        return decide_release(
+            state,
+            ref,
+            self._tokens_now(),
+            me=self.owner,
+            boot_id=self.host.boot_id(),
+            live_writers=self._live_writers(state, ref),
+            claimant_runs=not force and self._runs(state, ref),
+        )
+
+    def _runs(self, state: LedgerState, claimant: Claimant) -> bool:
+        lease = state.lease_of(claimant)
+        return (
+            lease is not None
+            and rules.may_run_on_it(lease, self.host.boot_id())
+            and self.host.is_running(claimant)
+        )
+
+    def _live_writers(self, state: LedgerState, claimant: Claimant) -> frozenset[ProcessRef]:
+        """The writer of the claimant's lease, if it has one and it is alive (a /proc read)."""
+        lease = state.lease_of(claimant)
+        owner = lease.owner if lease is not None else None
+        alive = owner is not None and self.host.process_alive(owner)
+        return frozenset({owner}) if alive and owner is not None else frozenset()
+
+    def _tokens_now(self) -> list[TokenSpec]:
+        """Every configured token with its functions' drivers as they are now."""
+        return [
+            replace(spec, functions=tuple(self.tokens.functions_now(spec)))
+            for spec in self.tokens.all().values()
+        ]
+
+    # -- the release's entry points --------------------------------------------------------
+
     def release_claimant(
         self, claimant: str, success: bool = True, reason: str = "", *, force: bool = False
     ) -> bool:
         """See `Arbiter.release_claimant`."""
-        lease = self.ledger.read().lease_of(Claimant.parse(claimant))
-        if lease is None:
+        ref = Claimant.parse(claimant)
+        state = self.ledger.read()
+        if state.lease_of(ref) is None:
             return False
-        if not force and self._still_runs(lease):
-            raise ClaimantRunning(lease.claimant, "releasing")
-        self.events.emit(
-            "release" if success else "failed", claimant=lease.claimant, why=reason or "released"
-        )
-        return self.finish(lease.claimant, success, reason)
+        # Asked before the lock, since it may be a libvirt call; the planner refuses.
+        runs = not force and self._runs(state, ref)
+        plan = self._release(ref, success, reason, claimant_runs=runs, announce=True)
+        return plan is not None
 
-    def begin(self, claimant: str, success: bool, reason: str) -> bool:
-        """Only the first step: mark the lease releasing, under the lock.
+    def begin(self, claimant: str, success: bool, reason: str) -> ReleasePlan | None:
+        """Only the intent: the lease turns releasing, under the lock.
 
-        The libvirt hook does this before it hands the rest to a detached
-        process, so that a `prepare` of the same VM right after (destroy, then
-        start) finds the lease releasing and waits, instead of finding it
-        active and starting the VM without one.  False when there is no lease.
+        The hooks do this before they hand the rest to a detached process, so
+        that a `prepare` of the same VM right after (destroy, then start) finds
+        the lease releasing and waits, instead of finding it active and starting
+        the VM without one.  The plan it wrote, or None when there was no lease;
+        the rest is `finish(claimant, ..., takeover=<this process>)`, in another
+        process or this one, and only where `plan.lease` is not None (a shared
+        lease that is not the last on its GPUs ends at the intent).
         """
-        claimant = Claimant.parse(claimant)
-        with self.ledger.transaction() as txn:
-            lease = txn.state.lease_of(claimant)
-            if lease is None:
-                return False
-            self._refuse_if_in_progress(lease)
-            _, txn.state = self._release_intent_unlocked(txn.state, lease, success, reason)
-        self.events.emit(
-            "release" if success else "failed", claimant=claimant, why=reason or "released"
-        )
-        crashpoint("release.intent")
-        return True
+        ref = Claimant.parse(claimant)
+        return self._release(ref, success, reason, announce=True, only_intent=True)
 
     def finish(
         self, claimant: str, success: bool, reason: str, takeover: ProcessRef | None = None
     ) -> bool:
         """Release the lease to the end.  `takeover` is the process that began this
         release and handed it on (the hook): its lease is continued, not refused."""
-        with self.ledger.transaction() as txn:
-            lease = txn.state.lease_of(claimant)
-            if lease is None:
-                return False
-            if (
-                takeover is not None
-                and lease.state is LeaseState.RELEASING
-                and lease.owner == takeover
-            ):
-                releasing: Lease | None = lease.owned_by(self.owner)
-                txn.state = txn.state.with_lease(lease.owned_by(self.owner))
-            else:
-                self._refuse_if_in_progress(lease)
-                releasing, txn.state = self._release_intent_unlocked(
-                    txn.state, lease, success, reason
-                )
-        crashpoint("release.intent")
-        if releasing is None:
-            return True
-        self.carry_out(releasing.claimant, releasing)
-        return True
+        ref = Claimant.parse(claimant)
+        return self._release(ref, success, reason, takeover=takeover) is not None
 
-    def carry_out(self, claimant: Claimant, lease: Lease) -> None:
+    def _release(
+        self,
+        claimant: Claimant,
+        success: bool,
+        reason: str,
+        *,
+        takeover: ProcessRef | None = None,
+        claimant_runs: bool = False,
+        announce: bool = False,
+        only_intent: bool = False,
+    ) -> ReleasePlan | None:
+        """Decide under the lock, on the state read under it, and write the intent;
+        then (unless `only_intent`) carry it out.  The host facts are read before
+        the lock; only the writer's liveness is asked under it (one /proc read).
+        None when there is no lease."""
+        tokens = self._tokens_now()
+        boot_id = self.host.boot_id()
+        with self.ledger.transaction() as txn:
+            plan = decide_release(
+                txn.state,
+                claimant,
+                tokens,
+                me=self.owner,
+                boot_id=boot_id,
+                live_writers=self._live_writers(txn.state, claimant),
+                claimant_runs=claimant_runs,
+                takeover=takeover,
+                success=success,
+                reason=reason,
+            )
+            if plan is None:
+                return None
+            txn.state = rules.apply_intent(txn.state, plan)
+        if announce:
+            self.events.emit(
+                "release" if success else "failed", claimant=claimant, why=reason or "released"
+            )
+        crashpoint("release.intent")
+        if plan.lease is not None and not only_intent:
+            self.carry_out(plan, {spec.name: spec for spec in tokens})
+        return plan
+
+    # -- carrying it out --------------------------------------------------------------------
+
+    def carry_out(self, plan: ReleasePlan, tokens: dict[str, TokenSpec]) -> None:
         """Everything after the intent: tokens home, holders back, the lease gone."""
-        tokens = {spec.name: spec for spec in self.tokens.known(lease.tokens)}
-        for name in lease.tokens:
-            if lease.switch_state(name) is not StepState.DONE:
-                self._send_home(claimant, tokens.get(name))
-        attempted: set[str] = set()
+        claimant = plan.claimant
+        for step in plan.homes:
+            if step.due:
+                self._send_home(claimant, step, tokens.get(step.token))
+        attempted: set[Claimant] = set()
         while True:
             self._restore_holders(claimant, attempted)
             crashpoint("release.restored")
             with self.ledger.transaction() as txn:
-                current = txn.state.lease_of(claimant)
-                if current is None:
-                    return
-                if any(r.holder not in attempted for r in current.unrestored()):
-                    continue  # handed to this lease meanwhile: bring those back too
-                done = not current.unrestored() and all(
-                    step is StepState.DONE for _, step in current.switched
-                )
-                if done:
-                    txn.state = txn.state.without_lease(claimant)
-                else:
-                    txn.state = txn.state.with_lease(current.owned_by(None))
-            break
-        if not done:
+                end = rules.decide_end(txn.state, claimant, attempted)
+                txn.state = rules.apply_end(txn.state, claimant, end)
+            if end is not End.MORE:
+                break
+        if end is End.INCOMPLETE:
             log.error(
                 "%s: release incomplete; run %s",
                 claimant,
                 cli_command("restore", operands=[claimant]),
             )
 
-    def _still_runs(self, lease: Lease) -> bool:
-        return (
-            lease.state is LeaseState.ACTIVE
-            and lease.boot_id == self.host.boot_id()
-            and self.host.is_running(lease.claimant)
-        )
-
-    def _refuse_if_in_progress(self, lease: Lease) -> None:
-        """Tearing down a claim another live process is still carrying out would
-        race with its steps; it finishes (or rolls back) itself."""
-        owner = lease.owner
-        if (
-            lease.state is not LeaseState.ACTIVE
-            and owner is not None
-            and owner != self.owner
-            and lease.boot_id == self.host.boot_id()
-            and self.host.process_alive(owner)
-        ):
-            raise LeaseInProgress(lease.claimant, str(lease.state), owner.pid)
-
-    def _release_intent_unlocked(
-        self, state: LedgerState, lease: Lease, success: bool, reason: str
-    ) -> tuple[Lease | None, LedgerState]:
-        """Mark the lease releasing, handing stopped holders to a lease that stays.
-
-        A shared lease that is not the last on a token sends that token nothing
-        home; a holder it stopped for such a token belongs to the token, so its
-        record moves to a remaining shared lease on it (never to one that is
-        itself releasing: that one may already have read its list).  Holders of
-        tokens nobody else holds are restored as for the last lease.
-        """
-        others = [
-            other
-            for other in state.leases
-            if other.claimant != lease.claimant
-            and any(blocks_token(other, token) for token in lease.tokens)
-        ]
-        heirs = [
-            other.claimant
-            for other in others
-            if other.mode is Mode.SHARED and other.state is not LeaseState.RELEASING
-        ]
-        if lease.mode is Mode.SHARED and heirs and lease.state is not LeaseState.RELEASING:
-            held = {t for t in lease.tokens if any(blocks_token(o, t) for o in others)}
-            kept = []
-            for record in lease.stopped:
-                uses = set(record.tokens or lease.tokens) & held
-                heir = next(
-                    (
-                        heir_lease
-                        for name in heirs
-                        if name != record.holder  # never the holder's own lease
-                        and (heir_lease := state.lease_of(name)) is not None
-                        and uses & set(heir_lease.tokens)
-                    ),
-                    None,
-                )
-                if record.restored or heir is None:
-                    kept.append(record)
-                else:
-                    state = state.with_lease(heir.with_stopped(record))
-            if held == set(lease.tokens) and all(record.restored for record in kept):
-                return None, state.without_lease(lease.claimant)
-            lease = replace(lease, stopped=tuple(kept))
-        note = reason if reason else ("" if success else "failed")
-        switched = []
-        for token in lease.tokens:
-            # An acquire that never switched a token left it where it was: not ours to move.
-            untouched = lease.state is LeaseState.ACQUIRING and lease.switch_state(token) is None
-            gone_home = lease.state is LeaseState.RELEASING and (
-                lease.switch_state(token) is StepState.DONE
-            )
-            shared_by_others = any(token in other.tokens for other in others)
-            done = untouched or gone_home or shared_by_others
-            switched.append((token, StepState.DONE if done else StepState.PLANNED))
-        releasing = replace(
-            lease,
-            state=LeaseState.RELEASING,
-            switched=tuple(sorted(switched)),
-            note=note or lease.note,
-        ).owned_by(self.owner)
-        return releasing, state.with_lease(releasing)
-
-    def _send_home(self, claimant: Claimant, token: TokenSpec | None) -> None:
-        if token is None:
+    def _send_home(self, claimant: Claimant, step: HomeStep, spec: TokenSpec | None) -> None:
+        if step.way is HomeWay.UNKNOWN or spec is None:
+            log.warning("%s: no longer configured, left where it is", step.token)
             return
-        state = self.ledger.read()
-        if state.poison_of(token.name) is not None:
-            log.warning("%s: poisoned, left where it is", token.name)
-        else:
-            home = home_map(state, token)
-            current = {f.address: f.driver for f in self.tokens.functions_now(token)}
-            targets = {
-                address: driver
-                for address, driver in home.items()
-                if current.get(address) == VFIO or (driver and current.get(address) != driver)
-            }
-            if targets:
-                self.events.emit(
-                    "switching", claimant=claimant, token=token.name, driver=drivers_label(targets)
-                )
-                crashpoint("release.switch")
-                try:
-                    self.switching.switch(token, targets, claimant)  # CDI follows it
-                except SwitchFailed as error:
-                    log.error("%s: could not return home: %s", token.name, error)
-                    return
+        if step.way is HomeWay.POISONED:
+            log.warning("%s: poisoned, left where it is", step.token)
+        elif step.way is HomeWay.SWITCH:
+            targets = step.targets
+            self.events.emit(
+                "switching", claimant=claimant, token=step.token, driver=drivers_label(targets)
+            )
+            crashpoint("release.switch")
+            try:
+                self.switching.switch(spec, targets, claimant)  # CDI follows it
+            except SwitchFailed as error:
+                log.error("%s: could not return home: %s", step.token, error)
+                return
         with self.ledger.transaction() as txn:
-            lease = txn.state.lease_of(claimant)
-            if lease is not None:
-                txn.state = txn.state.with_lease(lease.with_switch(token.name, StepState.DONE))
+            txn.state = rules.apply_home(txn.state, claimant, step.token)
 
-    def _restore_holders(self, claimant: Claimant, attempted: set[str]) -> None:
+    def _restore_holders(self, claimant: Claimant, attempted: set[Claimant]) -> None:
         """Bring back, one by one, every holder the lease still records (including
         records handed to it meanwhile), newest first; `attempted` are the ones this
         release has dealt with already."""
         while True:
-            comeback = self._next_comeback(claimant, attempted)
-            if comeback is None:
-                return
-            record = comeback.record
-            attempted.add(record.holder)
-            if not comeback.start:
+            with self.ledger.transaction() as txn:
+                comeback = rules.decide_comeback(txn.state, claimant, attempted)
+                if comeback is None:
+                    return
+                txn.state = rules.apply_comeback(txn.state, comeback)
+            attempted.add(comeback.record.holder)
+            holder = comeback.record.holder
+            if comeback.way is ComebackWay.WAIT:
+                log.warning("%s: %s stays stopped: %s", claimant, holder, comeback.why)
+                continue
+            if comeback.way is not ComebackWay.START:
+                log.info("%s: %s stays stopped for %s", claimant, holder, comeback.to)
                 continue
             crashpoint("release.start")
             try:
-                self._start(claimant, record)
+                self._start(claimant, holder)
             except ArbiterError as error:
-                log.error("%s: could not restore %s: %s", claimant, record.holder, error)
-                self.events.emit(
-                    "restore-failed", claimant=claimant, holder=record.holder, why=str(error)
-                )
-                self._set_record(claimant, replace(record, state=StepState.DONE))
+                log.error("%s: could not restore %s: %s", claimant, holder, error)
+                self.events.emit("restore-failed", claimant=claimant, holder=holder, why=str(error))
+                with self.ledger.transaction() as txn:
+                    txn.state = rules.apply_start_failed(txn.state, comeback)
                 continue
-            self._came_back(claimant, record)
+            self._came_back(comeback)
 
-    def _next_comeback(self, claimant: Claimant, attempted: set[str]) -> _Comeback | None:
-        """Under the lock: hand the next record on, or mark it STARTING."""
-        with self.ledger.transaction() as txn:
-            lease = txn.state.lease_of(claimant)
-            if lease is None:
-                return None
-            pending = [r for r in reversed(lease.unrestored()) if r.holder not in attempted]
-            if not pending:
-                return None
-            record = pending[0]
-            heir = _exclusive_heir(txn.state, claimant, record)
-            if heir is None and record.shared_tokens and _still_holds(lease, record):
-                # Its GPU is still on vfio-pci under this very lease (its way home
-                # failed): the shared claimant cannot have its lease back beside it.
-                log.warning(
-                    "%s: %s stays stopped while %s is not home",
-                    claimant,
-                    record.holder,
-                    ", ".join(record.shared_tokens),
-                )
-                return _Comeback(record, start=False)
-            if heir is not None:
-                # It stays stopped; the lease that now holds its GPU brings it back.
-                if all(r.holder != record.holder for r in heir.unrestored()):
-                    txn.state = txn.state.with_lease(
-                        heir.with_stopped(replace(record, state=StepState.DONE))
-                    )
-                lease = txn.state.lease_of(claimant) or lease
-                txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
-                log.info("%s: %s stays stopped for %s", claimant, record.holder, heir.claimant)
-                return _Comeback(record, start=False)
-            if any(
-                other.claimant != claimant
-                and any(r.holder == record.holder for r in other.unrestored())
-                for other in txn.state.leases
-            ):
-                # Another claim stopped it too; that one brings it back.
-                txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
-                return _Comeback(record, start=False)
-            starting = replace(record, state=StepState.STARTING)
-            txn.state = txn.state.with_lease(lease.with_stopped(starting))
-            return _Comeback(starting, start=True)
-
-    def _start(self, claimant: Claimant, record: StoppedHolder) -> None:
+    def _start(self, claimant: Claimant, holder: Claimant) -> None:
         # A planned stop may have happened just before a crash: whatever is not
         # running now was running when the claim was decided.
-        if not self.host.is_running(record.holder):
-            log.info("%s: starting %s again", claimant, record.holder)
-            self.events.emit("starting", claimant=claimant, holder=record.holder)
-            self.host.start(record.holder)
-            if not self.host.is_running(record.holder):
+        if not self.host.is_running(holder):
+            log.info("%s: starting %s again", claimant, holder)
+            self.events.emit("starting", claimant=claimant, holder=holder)
+            self.host.start(holder)
+            if not self.host.is_running(holder):
                 log.warning(
-                    "%s: %s cannot be started again (a terminated process)", claimant, record.holder
+                    "%s: %s cannot be started again (a terminated process)", claimant, holder
                 )
-        self.events.emit("restored", claimant=claimant, holder=record.holder)
+        self.events.emit("restored", claimant=claimant, holder=holder)
 
-    def _came_back(self, claimant: Claimant, record: StoppedHolder) -> None:
-        """Mark it restored, and give a preempted shared claimant its lease back.
-
-        While the record was STARTING no exclusive claim could take its tokens,
-        so the shared lease can be recreated without checking again; but only on
-        the tokens that are home.  One left on vfio-pci (poisoned on its way home)
-        is not shared by anyone: a lease there would say it is in use on its home
-        driver, and clearing the poison would then leave a GPU on vfio-pci with no
-        exclusive lease (I2).  Its next claim is refused for the poison, saying why.
-        """
+    def _came_back(self, comeback: rules.Comeback) -> None:
+        """Mark it restored and, for a preempted shared claimant, give its lease back
+        where the planner says (the host read first, the decision under the lock)."""
+        record = comeback.record
         running = bool(record.shared_tokens) and self.host.is_running(record.holder)
-        home_tokens = tuple(
-            spec.name
-            for spec in self.tokens.known(record.shared_tokens)
-            if running and all(f.driver != VFIO for f in self.tokens.functions_now(spec))
-        )
+        home = _home_tokens(self.tokens, record.shared_tokens) if running else frozenset()
         boot_id = self.host.boot_id()
         with self.ledger.transaction() as txn:
-            lease = txn.state.lease_of(claimant)
-            if lease is not None:
-                txn.state = txn.state.with_lease(lease.with_stopped(replace(record, restored=True)))
-            # Nothing may have taken them meanwhile (the planner waits for a STARTING
-            # record); should a claim have got in all the same, the lease is not
-            # recreated beside it: the holder comes back without it, loudly.
-            taken = taken_meanwhile(txn.state, claimant, record, home_tokens)
-            if taken:
-                log.error(
-                    "%s: %s gets no shared lease back: %s held exclusively meanwhile",
-                    claimant,
-                    record.holder,
-                    ", ".join(taken),
-                )
-                home_tokens = ()
-            if home_tokens and txn.state.lease_of(record.holder) is None:
-                # (Its own hook may already have claimed again while it started.)
-                txn.state = txn.state.with_lease(
-                    Lease(
-                        claimant=record.holder,
-                        mode=Mode.SHARED,
-                        tokens=home_tokens,
-                        state=LeaseState.ACTIVE,
-                        transient=False,
-                        boot_id=boot_id,
-                        created=now(),
-                    )
-                )
-
-    def _set_record(self, claimant: Claimant, record: StoppedHolder) -> None:
-        with self.ledger.transaction() as txn:
-            lease = txn.state.lease_of(claimant)
-            if lease is not None:
-                txn.state = txn.state.with_lease(lease.with_stopped(record))
+            returned = rules.decide_return(
+                txn.state, comeback.lease, record, running=running, home=home
+            )
+            txn.state = rules.apply_return(
+                txn.state, comeback, returned, boot_id=boot_id, created=now()
+            )
+        if returned.taken:
+            log.error(
+                "%s: %s gets no shared lease back: %s held exclusively meanwhile",
+                comeback.lease,
+                record.holder,
+                ", ".join(returned.taken),
+            )
 
 
-def taken_meanwhile(
-    state: LedgerState, claimant: Claimant, record: StoppedHolder, tokens: tuple[str, ...]
-) -> list[str]:
-    """Which of `tokens` another exclusive lease holds: the shared lease of the
-    holder `claimant` brought back must not be recreated there (the last guard
-    of I1; the planner's waiting for STARTING records is the first)."""
-    return [
-        token
-        for token in dict.fromkeys(tokens)
-        if any(
-            other.mode is Mode.EXCLUSIVE
-            and other.claimant not in (claimant, record.holder)
-            and blocks_token(other, token)
-            for other in state.leases
-        )
-    ]
-
-
-def _exclusive_heir(state: LedgerState, claimant: Claimant, record: StoppedHolder) -> Lease | None:
-    """Another exclusive lease that holds one of the holder's tokens, in any state: a
-    releasing one too, since it brings back every record it holds before it ends."""
-    uses = record.tokens or record.shared_tokens
-    return next(
-        (
-            other
-            for other in state.leases
-            if other.claimant not in (claimant, record.holder)
-            and other.mode is Mode.EXCLUSIVE
-            and any(blocks_token(other, token) for token in uses)
-        ),
-        None,
-    )
-
-
-def _still_holds(lease: Lease, record: StoppedHolder) -> bool:
-    """Whether `lease`, exclusive, still holds one of the tokens `record` shared."""
-    return lease.mode is Mode.EXCLUSIVE and any(
-        blocks_token(lease, token) for token in record.shared_tokens
+def _home_tokens(tokens: TokenCatalogue, names: Collection[str]) -> frozenset[str]:
+    """Which of the named tokens have every function off vfio-pci now."""
+    return frozenset(
+        spec.name
+        for spec in tokens.known(list(names))
+        if all(function.driver != VFIO for function in tokens.functions_now(spec))
     )

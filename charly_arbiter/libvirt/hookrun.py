@@ -137,7 +137,8 @@ class HookRun(HookSession):
             # a detached process does it, so `virsh destroy` returns at once.  The
             # lease turns releasing first, under the lock, so that a `prepare` of
             # this domain right after waits for the release to end.
-            if arbiter.releaser().begin(self.ref, success, reason):
+            begun = arbiter.releaser().begin(self.ref, success, reason)
+            if begun is not None and begun.lease is not None:
                 spawn_finish_release(self.config, self.ref, reason, arbiter.owner)
             return 0
         # libvirt says the domain has stopped: no need to ask whether it runs.

@@ -149,7 +149,8 @@ class HookRun(HookSession):
             return 0  # a refused start, or a holder whose lease moved: nothing is ours
         arbiter = self.arbiter()
         if lease.unrestored() and not nested:
-            if arbiter.releaser().begin(self.ref, True, "stopped"):
+            begun = arbiter.releaser().begin(self.ref, True, "stopped")
+            if begun is not None and begun.lease is not None:
                 spawn_finish_release(self.config, self.ref, "stopped", arbiter.owner)
             return 0
         # The runtime says the container has stopped: no need to ask whether it runs.

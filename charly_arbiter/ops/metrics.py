@@ -181,7 +181,7 @@ class _Collector:
         # Made after the state above was read: that state is at least this old.
         yield GaugeMetricFamily(
             f"{PREFIX}_metrics_generated_timestamp_seconds",
-            "When `charly-arbiter metrics` made these metrics (Unix time); stale when it lags.",
+            "When the metrics command made these metrics (Unix time); stale when it lags.",
             value=self.made,
         )
 

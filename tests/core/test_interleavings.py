@@ -123,7 +123,8 @@ def hook_release(claimant: str, *, then_start: bool = False):
     def operation(world: World, pid: int) -> None:
         hook = world.arbiter(pid)
         hook.host.set_running(claimant, False)
-        if hook.releaser().begin(claimant, True, "destroyed"):
+        begun = hook.releaser().begin(claimant, True, "destroyed")
+        if begun is not None and begun.lease is not None:
 
             def finish(world: World, finisher: int) -> None:
                 detached = world.arbiter(finisher)
@@ -356,10 +357,10 @@ def test_the_explorer_finds_a_planted_race(monkeypatch):
     """The harness can fail: with a new exclusive claim no longer taking over (or
     waiting for) the holders a release is bringing back — the pre-fix behaviour — some
     schedule breaks an invariant, and the explorer finds it."""
-    from charly_arbiter.core import planner, releasing
+    from charly_arbiter.core import planner, release_planner
 
     monkeypatch.setattr(planner, "_take_over_pending_restarts", lambda *args: [])
-    monkeypatch.setattr(releasing, "taken_meanwhile", lambda *args: [])
+    monkeypatch.setattr(release_planner, "taken_meanwhile", lambda *args: [])
     with pytest.raises(AssertionError, match=r"I1|I2|I3"):
         test_release_that_reinstates_a_shared_claimant_against_a_new_exclusive_claim()
 

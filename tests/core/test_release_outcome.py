@@ -34,8 +34,11 @@ def test_release_that_cannot_restart_a_holder_exits_1_and_keeps_the_lease(sim):
 
 
 class LockWatchingHost:
-    """The real simulated host, noting every liveness question asked while
-    another open file description could not take the ledger lock."""
+    """The real simulated host, noting every question or action on the host (whether
+    a claimant runs, a start, a stop, a driver switch, a read of a token's drivers)
+    made while another open file description could not take the ledger lock."""
+
+    WATCHED = ("is_running", "are_running", "start", "stop", "switch", "token_functions")
 
     def __init__(self, inner, lock_path):
         self.inner = inner
@@ -43,19 +46,29 @@ class LockWatchingHost:
         self.asked_under_lock: list[str] = []
 
     def __getattr__(self, name):
-        return getattr(self.inner, name)
+        found = getattr(self.inner, name)
+        if name not in self.WATCHED:
+            return found
 
-    def is_running(self, ref):
-        if self.lock_path.exists():
-            fd = os.open(self.lock_path, os.O_RDWR)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            except BlockingIOError:
-                self.asked_under_lock.append(ref)
-            finally:
-                os.close(fd)
-        return self.inner.is_running(ref)
+        def watched(*args, **kwargs):
+            if self._locked():
+                self.asked_under_lock.append(f"{name} {args[0]}")
+            return found(*args, **kwargs)
+
+        return watched
+
+    def _locked(self) -> bool:
+        if not self.lock_path.exists():
+            return False
+        fd = os.open(self.lock_path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
 
 
 def test_acquire_asks_whether_claimants_run_before_taking_the_lock(sim):
@@ -69,3 +82,21 @@ def test_acquire_asks_whether_claimants_run_before_taking_the_lock(sim):
 
     assert watching.asked_under_lock == []
     assert {lease.claimant for lease in arbiter.ledger.read().leases} == {"libvirt:win11"}
+
+
+def test_a_release_touches_the_host_only_with_the_lock_let_go(sim):
+    """Its decisions are made under the lock (core/release_planner.py); every read of
+    and action on the host (whether a holder runs, its start, the switch home, the
+    drivers) happens outside it: a start may run a VM's hook, which calls back in."""
+    first = sim.arbiter()
+    first.acquire("container:llm", Mode.SHARED, ["gpu0"])
+    first.acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    sim.stopped("libvirt:win11")
+    watching = LockWatchingHost(sim.host(), sim.state_dir / "ledger.lock")
+    arbiter = Arbiter(first.config, watching, first.ledger)
+
+    assert arbiter.release_claimant("libvirt:win11")
+
+    assert watching.asked_under_lock == []
+    leases = arbiter.ledger.read().leases
+    assert [(lease.claimant, lease.tokens) for lease in leases] == [("container:llm", ("gpu0",))]

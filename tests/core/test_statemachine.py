@@ -630,7 +630,9 @@ def model_finish(run: Run, claimant: str) -> bool:
     for token in lease.tokens:
         untouched = lease.state is ACQUIRING and lease.step(token) is None
         gone_home = lease.state is RELEASING and lease.step(token) is DONE
-        shared = any(token in other.tokens for other in others)
+        # (A token another lease still holds, not one it merely names: a releasing
+        # lease that sent it home holds it no more.)
+        shared = any(other.holds(token) for other in others)
         steps.append((token, DONE if untouched or gone_home or shared else PLANNED))
     lease = replace(lease, state=RELEASING, steps=tuple(sorted(steps)))
     run.set(world.put(lease))
@@ -671,9 +673,11 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
     # that is I1 (its lease may not come back beside an exclusive one): any
     # exclusive lease that still holds the token counts, a releasing one too,
     # and this very lease when its way home failed (it then waits for
-    # `restore`).  A plain holder is handed only to a lease that is not ending
-    # (I5 wants it running even beside a GPU poisoned on vfio-pci).
-    if record.shared and lease.mode is EXCLUSIVE and any(lease.holds(t) for t in uses(record)):
+    # `restore`): only on a token it shared, since that is where its lease comes
+    # back (a claimant that also held this lease's GPU as a holder starts, as a
+    # plain holder does).  A plain holder is handed only to a lease that is not
+    # ending (I5 wants it running even beside a GPU poisoned on vfio-pci).
+    if record.shared and lease.mode is EXCLUSIVE and any(lease.holds(t) for t in record.shared):
         return
     exclusive = [
         other.claimant
@@ -1212,6 +1216,28 @@ def machine_settings(examples: int, steps: int) -> settings:
         deadline=None,
         suppress_health_check=list(HealthCheck),
     )
+
+
+def test_a_claimant_of_two_gpus_whose_exclusive_release_fails_on_one() -> None:
+    """Four steps the machine can take, found when the release became a pure planner
+    (core/release_planner.py), where the model was stricter than the rule: the
+    sharer holds gpu0 and shares gpu1; a VM's exclusive claim on gpu0 stops it and
+    takes its lease; the VM's release cannot send gpu0 home (poisoned, still held).
+    The sharer comes back with its lease on gpu1, which is home (it waits only
+    while a GPU it shared is on vfio-pci under that lease)."""
+    machine = ArbiterMachine()
+    try:
+        machine.claim(SHARER, SHARED, ("gpu1",))
+        machine.claim("libvirt:a", EXCLUSIVE, ("gpu0",))
+        machine.fault(("switch", "0000:0a:00.0", "fail_switch"))
+        machine.release("libvirt:a", failed=False, stopped_first=True, force=False)
+        machine.i1_to_i3()
+        state = machine.ledger.read()
+        back = state.lease_of(SHARER)
+        assert back is not None and back.tokens == ("gpu1",), state.leases
+        assert state.poison_of("gpu0") is not None
+    finally:
+        machine.teardown()
 
 
 def test_state_machine() -> None:
