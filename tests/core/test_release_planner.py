@@ -72,8 +72,8 @@ TOKEN_SETS = (("gpu0",), ("gpu1",), ("gpu0", "gpu1"))
 A = Claimant.parse("libvirt:a")  # claims either way
 T = Claimant.parse("container:t")  # claims either way
 S = Claimant.parse("container:s")  # shares, and is a holder of gpu0 (the model's SHARER)
-H = Claimant.parse("systemd:h")  # a plain holder of gpu0
-G = Claimant.parse("systemd:g")  # a plain holder of gpu1
+H = Claimant.parse("systemd:h.service")  # a plain holder of gpu0
+G = Claimant.parse("systemd:g.service")  # a plain holder of gpu1
 HOLDERS = (H, G, S)  # they run unless the arbiter stopped them
 
 BOOT = "boot"
