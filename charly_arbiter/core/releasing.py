@@ -255,7 +255,9 @@ class Releaser:
             targets = {
                 address: driver
                 for address, driver in home.items()
-                if current.get(address) == VFIO or (driver and current.get(address) != driver)
+                # (A home of vfio-pci, `adopt --admin`'s, is where it stays.)
+                if (current.get(address) == VFIO and driver != VFIO)
+                or (driver and current.get(address) != driver)
             }
             if targets:
                 self.events.emit(
