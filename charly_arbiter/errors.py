@@ -266,7 +266,8 @@ class LedgerContradicted(ArbiterError):
     exit_code = 3
 
     def __init__(self, subject: str, found: str, hint: str) -> None:
-        super().__init__(f"{subject}: {found}; nothing was changed", hint=hint)
+        said = f"{subject}: {found}" if subject else found
+        super().__init__(f"{said}; nothing was changed", hint=hint)
         self.subject = subject
         self.found = found
 

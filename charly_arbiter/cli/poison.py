@@ -7,6 +7,7 @@ import json
 import click
 
 from charly_arbiter.cli.app import App
+from charly_arbiter.core.model import human_time
 
 
 @click.group()
@@ -30,7 +31,7 @@ def list_poisoned(app: App, as_json: bool) -> None:
     if not state.poisoned:
         click.echo("no token is poisoned")
     for token, record in state.poisoned:
-        click.echo(f"{token}: since {record.since}: {record.reason}")
+        click.echo(f"{token}: since {human_time(record.since)}: {record.reason}")
 
 
 @poison.command()

@@ -436,7 +436,7 @@ class Arbiter:
         """Leases, tokens and stranded claimants, and where the host (or the history)
         contradicts the ledger.  Tokens no exclusive lease holds also list the holders
         that run on them without a lease: an idle token is one nothing uses."""
-        recorded = self._history_generation()  # (read before the ledger: see _refuse_rollback)
+        recorded = self.history_generation()  # (read before the ledger: see _refuse_rollback)
         reading = self.ledger.inspect()
         state = reading.state or LedgerState()
         stranded = self.stranded_claimants(state) if reading.state else frozenset()
@@ -525,7 +525,8 @@ class Arbiter:
 
     # -- where the host contradicts the ledger ----------------------------------------
 
-    def _history_generation(self) -> int:
+    def history_generation(self) -> int:
+        """The highest ledger generation the history recorded (0 without a history)."""
         return self.generation_floor() if self.generation_floor is not None else 0
 
     def _refuse_rollback(self) -> None:
@@ -534,7 +535,7 @@ class Arbiter:
         The history is read first: every generation it holds was on disk before it
         was recorded, and a ledger only grows, so a ledger read after it that is
         behind it went backwards (deleted, or replaced by an older or empty one)."""
-        recorded = self._history_generation()
+        recorded = self.history_generation()
         if not recorded:
             return
         state = self.ledger.read()
@@ -542,7 +543,7 @@ class Arbiter:
             found = rollback_found(state.generation, recorded)
             self.events.emit("mismatch", found=found)
             raise LedgerContradicted(
-                "the ledger",
+                "",
                 found,
                 hint=f"run {cli_command('recover')} to compare what the history says it "
                 "held with the host, then decide",
