@@ -192,18 +192,6 @@ def decide_claim(
         if poison is not None:
             raise TokenPoisoned(token.name, claimant, poison.reason, human_time(poison.since))
     for token in tokens:
-        found = unaccounted(ledger, token)
-        if found:
-            raise TokenUnaccounted(
-                _label(token), claimant, ", ".join(found), hint=unaccounted_hint(token.name)
-            )
-    if mode is Mode.EXCLUSIVE:
-        for token in tokens:
-            blocker = (blockers or {}).get(token.name)
-            if blocker is not None:
-                raise PassthroughImpossible(_label(token), claimant, blocker.why, blocker.hint)
-
-    for token in tokens:
         shared_with = overlapping(ledger, token, coverage or {})
         if shared_with is not None:
             other, address = shared_with
@@ -217,6 +205,18 @@ def decide_claim(
                 hint="give each IOMMU group one token in arbiter.toml "
                 "(`charly-arbiter detect` shows the groups), then run `charly-arbiter doctor`",
             )
+
+    for token in tokens:
+        found = unaccounted(ledger, token)
+        if found:
+            raise TokenUnaccounted(
+                _label(token), claimant, ", ".join(found), hint=unaccounted_hint(token.name)
+            )
+    if mode is Mode.EXCLUSIVE:
+        for token in tokens:
+            blocker = (blockers or {}).get(token.name)
+            if blocker is not None:
+                raise PassthroughImpossible(_label(token), claimant, blocker.why, blocker.hint)
 
     own = ledger.lease_of(claimant)
     if own is not None and boot_id is not None and own.boot_id != boot_id:
