@@ -142,9 +142,12 @@ class Arbiter:
         transient: bool = False,
         policy: Policy = NO_POLICY,
     ) -> ClaimPlan:
-        """Decide a claim against the live host and ledger, changing nothing."""
+        """Decide a claim against the live host and ledger, changing nothing (not even
+        the history: a ledger that went backwards is refused as `acquire` would be,
+        without recording it)."""
         ref = Claimant.parse(claimant)
         tokens = self.tokens.reread(token_names)
+        self._refuse_rollback(record=False)
         holders = self.host.holders(tokens)
         state = self.ledger.read()
         boot_id = self.host.boot_id()
@@ -529,7 +532,7 @@ class Arbiter:
         """The highest ledger generation the history recorded (0 without a history)."""
         return self.generation_floor() if self.generation_floor is not None else 0
 
-    def _refuse_rollback(self) -> None:
+    def _refuse_rollback(self, *, record: bool = True) -> None:
         """Refuse (`LedgerContradicted`, exit 3) while the ledger is behind the history.
 
         The history is read first: every generation it holds was on disk before it
@@ -541,7 +544,8 @@ class Arbiter:
         state = self.ledger.read()
         if recorded > state.generation:
             found = rollback_found(state.generation, recorded)
-            self.events.emit("mismatch", found=found)
+            if record:
+                self.events.emit("mismatch", found=found)
             raise LedgerContradicted(
                 "",
                 found,

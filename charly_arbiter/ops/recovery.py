@@ -183,7 +183,12 @@ def _disagreements(backup: LedgerState, drivers: dict[str, dict[str, str | None]
             if lease.mode is Mode.EXCLUSIVE and lease.state is not LeaseState.RELEASING
         ]
         on_vfio = VFIO in found.values()
-        if on_vfio and not exclusive and backup.poison_of(token) is None:
+        on_purpose = all(
+            backup.home_of(token).get(address) == VFIO
+            for address, driver in found.items()
+            if driver == VFIO
+        )
+        if on_vfio and not exclusive and backup.poison_of(token) is None and not on_purpose:
             lines.append(
                 f"host: {token} is on vfio-pci, but the backup has no exclusive lease on it"
             )

@@ -71,10 +71,10 @@ def test_a_lost_ledger_never_reads_as_healthy_and_nothing_acts_on_it(sim, how):
     lose(sim, how, older)
 
     document = sim.status()
+    assert document["tokens"]["gpu0"]["mode"] == "unaccounted"  # (it read "idle" before)
+    assert document["tokens"]["gpu0"]["unaccounted"] == [GPU0, AUDIO0]
     recorded = document["history_generation"]
     assert recorded is not None and recorded > document["generation"]
-    assert document["tokens"]["gpu0"]["mode"] == "unaccounted"
-    assert document["tokens"]["gpu0"]["unaccounted"] == [GPU0, AUDIO0]
     human = sim.cli("status").stdout
     assert "LEDGER WENT BACK: the ledger is at generation" in human
     assert "hint: run `charly-arbiter recover`" in human
