@@ -106,6 +106,7 @@ def build_arbiter(
     configured ledger, and the event sinks for this kind of process (`progress`
     lines only for an interactive command, never for a hook)."""
     from charly_arbiter.ops.eventlog import events_for
+    from charly_arbiter.ops.history import HistoryLog
 
     return Arbiter(
         config,
@@ -113,6 +114,9 @@ def build_arbiter(
         ledger or open_ledger(config),
         events_for(config, progress=progress),
         owner,
+        # The ledger is held to the generation the history recorded last: one that
+        # went backwards (deleted, replaced) is refused until an operator decides.
+        generation_floor=HistoryLog(config.state_dir).highest_generation,
     )
 
 

@@ -306,3 +306,59 @@ class StateDirError(ArbiterError):
     def __init__(self, path: Path | str, action: str, why: str, fix: str) -> None:
         super().__init__(f"cannot {action} {path}: {why}", hint=fix)
         self.path = Path(path)
+
+
+class TokensOverlap(ConfigError):
+    """Two configured tokens share a PCI function or an IOMMU group: one GPU would have
+    two owners, and a claim on one would switch the other's functions under its lease."""
+
+    def __init__(self, path: Path | str, first: str, second: str, shared: str) -> None:
+        super().__init__(
+            path,
+            f"tokens.{first}",
+            f"tokens {first} and {second} overlap: both hold {shared}; a token is a GPU "
+            "with every function of its IOMMU group, so one group is one token",
+        )
+        self.hint = (
+            f"keep one of tokens.{first} and tokens.{second} in {path} "
+            f"({cli_command('detect')} shows the IOMMU groups), then run the command again"
+        )
+        self.first = first
+        self.second = second
+        self.shared = shared
+
+
+class LedgerContradicted(Refused):
+    """The host (or the history) says something the ledger does not account for: a
+    token on vfio-pci that no lease covers and no poison explains, or a ledger whose
+    generation went backwards.  Nothing acts on it until an operator has decided."""
+
+    def __init__(self, subject: str, found: str, hint: str) -> None:
+        said = f"{subject}: {found}" if subject else found
+        super().__init__(f"{said}; nothing was changed", hint=hint)
+        self.subject = subject
+        self.found = found
+
+
+class TokenUnaccounted(ClaimRefused):
+    """A claim on a token that is on vfio-pci with no exclusive lease and no poison:
+    something the ledger does not know uses it (or its lease was lost)."""
+
+    def __init__(self, token: str, claimant: str, addresses: str, hint: str) -> None:
+        super().__init__(
+            token,
+            claimant,
+            f"{addresses} on vfio-pci, and no lease or poison in the ledger accounts for it "
+            "(the ledger may have been deleted or replaced)",
+            hint=hint,
+        )
+
+
+class SettleRefused(Refused):
+    """`adopt` or `send-home` asked of a token they do not apply to (it is not on
+    vfio-pci without a lease), or that would take a GPU from a claimant that runs."""
+
+    def __init__(self, token: str, why: str, hint: str | None = None) -> None:
+        super().__init__(f"{token}: {why}; nothing was changed", hint=hint)
+        self.token = token
+        self.why = why

@@ -125,7 +125,7 @@ function renderAlerts() {
     restoreAll.disabled = state.admin === false || Boolean(status && status.corrupt);
 }
 
-const MODE_LABELS = { idle: "Idle", shared: "Shared", exclusive: "Exclusive", releasing: "Releasing", unknown: "Unknown" };
+const MODE_LABELS = { idle: "Idle", shared: "Shared", exclusive: "Exclusive", releasing: "Releasing", "in-use": "In use", unaccounted: "Unaccounted", unknown: "Unknown" };
 
 function tokenCard(name, token, status) {
     const leases = status.leases.filter(lease => token.claimants.includes(lease.claimant));

@@ -1,8 +1,11 @@
 """The safety invariants of docs/architecture.md, as checks every test can share.
 
-(I1) A token never has an exclusive lease beside any other lease that holds it.
+(I1) A token never has an exclusive lease beside any other lease that holds it,
+     and no PCI function is held exclusively under one token name beside a lease
+     on another token that has it too (tokens never overlap).
 (I2) A token's functions are on vfio-pci only while an exclusive lease covers it
-     (in any state) or it is poisoned.
+     (in any state), it is poisoned, or its recorded home is vfio-pci (bound
+     there on purpose: `adopt --admin`).
 (I3) Every holder the arbiter stopped is recorded in exactly one lease until it
      is started again.
 (I4) A mutating command on a corrupt or unsafe ledger changes nothing on the
@@ -53,12 +56,33 @@ def violations(state: LedgerState, host: HostFacts) -> list[str]:
         if exclusive and len(holding) > 1:
             names = ", ".join(f"{item.claimant} ({item.mode}, {item.state})" for item in holding)
             found.append(f"I1: {token} is held exclusively beside another lease: {names}")
+    owners: dict[str, set[tuple[str, str]]] = {}
+    for lease in state.leases:
+        for token in lease.tokens:
+            if blocks_token(lease, token):
+                for address in host.token_functions.get(token, ()):
+                    owners.setdefault(address, set()).add((lease.claimant, token))
+    for address, held in sorted(owners.items()):
+        by = {claimant for claimant, _ in held}
+        exclusive = [c for c in by if (lease := state.lease_of(c)) and lease.mode is Mode.EXCLUSIVE]
+        if exclusive and len(by) > 1 and len({token for _, token in held}) > 1:
+            names = ", ".join(f"{claimant} ({token})" for claimant, token in sorted(held))
+            found.append(f"I1: {address} is held exclusively beside another lease: {names}")
     for token, addresses in host.token_functions.items():
         on_vfio = [address for address in addresses if host.drivers.get(address) == VFIO]
         if not on_vfio or state.poison_of(token) is not None:
             continue
+        if all(state.home_of(token).get(address) == VFIO for address in on_vfio):
+            continue
+        # Covered by an exclusive lease on a token that has these functions (by name or,
+        # where tokens overlap, under another name).
+        covering = {
+            name
+            for name, functions in host.token_functions.items()
+            if set(on_vfio) & set(functions)
+        }
         covered = any(
-            lease.mode is Mode.EXCLUSIVE and token in lease.tokens for lease in state.leases
+            lease.mode is Mode.EXCLUSIVE and covering & set(lease.tokens) for lease in state.leases
         )
         if not covered:
             found.append(

@@ -33,6 +33,8 @@ COMMANDS = {
     "recover": "charly_arbiter.cli.recover:recover_command",
     "attach": "charly_arbiter.cli.attach:attach",
     "detach": "charly_arbiter.cli.attach:detach",
+    "adopt": "charly_arbiter.cli.adopt:adopt",
+    "send-home": "charly_arbiter.cli.adopt:send_home_command",
 }
 
 

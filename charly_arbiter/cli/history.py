@@ -9,7 +9,7 @@ import click
 from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App
 from charly_arbiter.core.events import describe
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.model import Claimant, human_time
 from charly_arbiter.ops.history import HistoryLog, Record, interrupted, parse_since, select
 
 
@@ -61,8 +61,7 @@ def history(
 
 
 def render(record: Record, interrupted: bool = False) -> str:
-    when = f"{record.time.astimezone():%Y-%m-%d %H:%M:%S}"
-    line = f"{when}  {record.kind:<14} {describe(record.kind, record.fields)}"
+    line = f"{human_time(record.time)}  {record.kind:<14} {describe(record.kind, record.fields)}"
     if interrupted:
         line += f"  [INTERRUPTED: process {record.pid} died during this step]"
     return line

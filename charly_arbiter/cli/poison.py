@@ -8,6 +8,7 @@ import click
 
 from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App, needs_subcommand
+from charly_arbiter.core.model import human_time
 
 
 @click.group(invoke_without_command=True, no_args_is_help=False)
@@ -33,7 +34,7 @@ def list_poisoned(app: App, as_json: bool) -> None:
     if not state.poisoned:
         click.echo("no token is poisoned")
     for token, record in state.poisoned:
-        click.echo(f"{token}: since {record.since}: {record.reason}")
+        click.echo(f"{token}: since {human_time(record.since)}: {record.reason}")
 
 
 @poison.command()

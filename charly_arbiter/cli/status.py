@@ -20,9 +20,11 @@ from typing import Any
 import click
 
 from charly_arbiter.cli.app import App
-from charly_arbiter.core.arbiter import Status, TokenStatus
+from charly_arbiter.core.arbiter import Status, TokenStatus, rollback_found
 from charly_arbiter.core.config import HolderConfig
-from charly_arbiter.core.model import Lease
+from charly_arbiter.core.host import Holder
+from charly_arbiter.core.model import Lease, human_time
+from charly_arbiter.core.planner import unaccounted_hint
 from charly_arbiter.errors import cli_command
 from charly_arbiter.ops.explain import age, stranded_why
 from charly_arbiter.ops.follow import follow
@@ -119,6 +121,7 @@ def status_document(result: Status, attached: Sequence[HolderConfig] = ()) -> di
             for holder in attached
         ],
         "generation": result.generation,
+        "history_generation": result.history_generation,
         "corrupt": result.corrupt,
         "leases": [
             {
@@ -142,6 +145,16 @@ def status_document(result: Status, attached: Sequence[HolderConfig] = ()) -> di
                 "driver": dict(token.drivers).get(token.address),
                 "drivers": {address: driver for address, driver in token.drivers},
                 "claimants": list(token.claimants),
+                "users": [
+                    {
+                        "holder": holder.ref,
+                        "preemptible": holder.preemptible,
+                        "passthrough": holder.passthrough,
+                    }
+                    for holder in token.users
+                ],
+                "unaccounted": list(token.unaccounted),
+                "bound_by_admin": token.bound_by_admin,
                 "poisoned": token.poisoned,
                 "reason": token.reason,
                 "since": token.since,
@@ -158,6 +171,8 @@ _COLOURS: dict[str, dict[str, Any]] = {
     "exclusive": {"fg": "yellow", "bold": True},
     "shared": {"fg": "cyan"},
     "idle": {"fg": "green"},
+    "in-use": {"fg": "magenta"},
+    "unaccounted": {"fg": "red", "bold": True},
     "bad": {"fg": "red", "bold": True},
     "head": {"bold": True},
 }
@@ -176,6 +191,14 @@ def render(
     lines: list[str] = []
     if result.corrupt:
         lines += [style(f"LEDGER CORRUPT: {result.corrupt}", "bad"), ""]
+    if result.history_generation is not None:
+        found = rollback_found(result.generation, result.history_generation)
+        lines += [
+            style(f"LEDGER WENT BACK: {found}", "bad"),
+            f"hint: run {cli_command('recover')} to compare what the history says it held "
+            "with the host, then decide",
+            "",
+        ]
     for token in result.tokens:
         lines += _token_table(token, result, style, moment)
         lines.append("")
@@ -190,7 +213,8 @@ def render(
         lines.append(style("stranded: " + ", ".join(result.stranded), "bad"))
         lines.append(f"hint: run {cli_command('restore', '--stranded')}")
     elif not result.leases and not result.corrupt:  # a corrupt ledger is never "no leases"
-        lines.append("no leases")
+        went_back = result.history_generation is not None
+        lines.append("no leases in this ledger, which went back" if went_back else "no leases")
     if attached:
         lines += ["", style("attached units", "head")]
         rows = [("UNIT", "TOKENS", "CLAIM", "DROP-IN")]
@@ -204,9 +228,22 @@ def render(
 def _token_table(token: TokenStatus, result: Status, style: Style, now: datetime) -> list[str]:
     lines = [f"{style(token.name, 'head')} ({token.address})  {style(token.mode, token.mode)}"]
     if token.poisoned:
-        lines.append("  " + style(f"POISONED since {token.since}: {token.reason}", "bad"))
+        since = human_time(token.since)
+        lines.append("  " + style(f"POISONED since {since}: {token.reason}", "bad"))
         clear = cli_command("poison", "clear", operands=[token.name])
         lines.append(f"  hint: run {clear} once it is checked")
+    if token.unaccounted:
+        lines.append(
+            "  "
+            + style(
+                f"ON VFIO-PCI WITH NO LEASE: {', '.join(token.unaccounted)}; nothing in the "
+                "ledger accounts for it, and nothing acts on it until you decide",
+                "bad",
+            )
+        )
+        lines.append(f"  hint: {unaccounted_hint(token.name)}")
+    if token.bound_by_admin:
+        lines.append("  its home is vfio-pci: bound there on purpose (adopt --admin)")
     rows = [("FUNCTION", "DRIVER")]
     rows += [(address, driver or "-") for address, driver in token.drivers]
     lines += _table(rows, style)
@@ -228,6 +265,7 @@ def _token_table(token: TokenStatus, result: Status, style: Style, now: datetime
                 )
             )
         lines += _table(holder_rows, style, bad_column=2)
+    lines += [f"  {_use(holder)}" for holder in token.users]
     return lines
 
 
@@ -250,6 +288,17 @@ def width(text: str) -> int:
 
 def _pad(text: str, columns: int) -> str:
     return text + " " * max(columns - width(text), 0)
+
+
+def _use(holder: Holder) -> str:
+    """A holder that runs on the token without a lease, and what that means for claims."""
+    if not holder.preemptible:
+        what = "not preemptible: exclusive claims are refused"
+    elif holder.passthrough:
+        what = "it has the GPU passed through; a claim stops it"
+    else:
+        what = "preemptible: an exclusive claim stops it"
+    return f"used by {holder.ref} without a lease ({what})"
 
 
 def _table(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from charly_arbiter.core.config import Config
@@ -22,6 +22,7 @@ from charly_arbiter.core.host import Blocker, Holder, Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.liveness import claimant_liveness, stranded_claimants
 from charly_arbiter.core.model import (
+    VFIO,
     Claimant,
     Lease,
     LeaseState,
@@ -38,6 +39,8 @@ from charly_arbiter.core.planner import (
     Policy,
     blocks_token,
     decide_claim,
+    unaccounted,
+    unaccounted_hint,
 )
 from charly_arbiter.core.release_planner import ReleasePlan, may_run_on_it
 from charly_arbiter.core.releasing import Releaser
@@ -47,6 +50,9 @@ from charly_arbiter.errors import (
     ArbiterError,
     ClaimantRunning,
     ClaimRefused,
+    LedgerContradicted,
+    TokenUnaccounted,
+    cli_command,
 )
 
 log = logging.getLogger(__name__)
@@ -58,12 +64,19 @@ RETRY_INTERVAL = 0.1  # seconds between tries of a claim that waits for a releas
 class TokenStatus:
     name: str
     address: str
-    mode: str  # exclusive, shared or idle
+    # exclusive, shared, releasing (home, bringing back what it stopped), idle,
+    # in-use (no lease, but a holder runs on it that no claim may stop), unaccounted
+    # (on vfio-pci, and nothing in the ledger says why), unknown (corrupt ledger)
+    mode: str
     drivers: tuple[tuple[str, str | None], ...]
     poisoned: bool
     reason: str
     since: str
     claimants: tuple[str, ...]
+    # Running holders that use it without a lease on it (a unit, a container, a VM).
+    users: tuple[Holder, ...] = ()
+    unaccounted: tuple[str, ...] = ()  # its functions on vfio-pci that nothing accounts for
+    bound_by_admin: bool = False  # its home is vfio-pci (`adopt --admin`)
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,17 @@ class Status:
     generation: int
     corrupt: str | None = None
     boot_id: str = ""  # the host's boot, against which leases are judged stranded
+    # The highest generation the history recorded, when the ledger is behind it (it
+    # was deleted or replaced by an older or an empty one); None when it is not.
+    history_generation: int | None = None
+
+
+def rollback_found(generation: int, recorded: int) -> str:
+    """What a ledger behind the history means, in one clause (status, doctor, refusals)."""
+    return (
+        f"the ledger is at generation {generation}, but the history recorded generation "
+        f"{recorded}: it was deleted or replaced, and the leases it held may be lost"
+    )
 
 
 class Arbiter:
@@ -84,11 +108,18 @@ class Arbiter:
         ledger: Ledger,
         events: Events | None = None,
         owner: ProcessRef | None = None,
+        generation_floor: Callable[[], int] | None = None,
     ) -> None:
         self.config = config
         self.host = host
         self.ledger = ledger
         self.events = events or Events()
+        # Every event says which ledger generation its process saw last, so that a
+        # ledger that went backwards (deleted, replaced) shows against the history.
+        self.events.context.setdefault("generation", lambda: ledger.generation_seen)
+        # The highest generation the history recorded (`compose` reads it from the
+        # history's tail); None where there is no history to hold the ledger to.
+        self.generation_floor = generation_floor
         # Written into in-progress leases; `restore` treats them as stranded
         # once this very process (pid and start time) is gone.
         self.owner = owner or host.current_process()
@@ -112,9 +143,12 @@ class Arbiter:
         transient: bool = False,
         policy: Policy = NO_POLICY,
     ) -> ClaimPlan:
-        """Decide a claim against the live host and ledger, changing nothing."""
+        """Decide a claim against the live host and ledger, changing nothing (not even
+        the history: a ledger that went backwards is refused as `acquire` would be,
+        without recording it)."""
         ref = Claimant.parse(claimant)
         tokens = self.tokens.reread(token_names)
+        self._refuse_rollback(record=False)
         holders = self.host.holders(tokens)
         state = self.ledger.read()
         boot_id = self.host.boot_id()
@@ -129,6 +163,7 @@ class Arbiter:
             policy=policy,
             boot_id=boot_id,
             blockers=self._blockers(mode, tokens),
+            coverage=self.tokens.addresses(),
         )
 
     def plan_release(self, claimant: str, *, force: bool = False) -> ReleasePlan | None:
@@ -166,11 +201,14 @@ class Arbiter:
         limit = self.config.timeouts.claim_wait if wait is None else wait
         deadline = time.monotonic() + limit
         tokens = self.tokens.reread(token_names)
+        self._refuse_rollback()
         while True:
             try:
                 return self._acquire_once(ref, mode, tokens, transient, policy)
             except ClaimRefused as refusal:
                 if not refusal.retry or time.monotonic() >= deadline:
+                    if isinstance(refusal, TokenUnaccounted):
+                        self.events.emit("mismatch", token=refusal.token, found=refusal.why)
                     self.events.emit(
                         "refused", claimant=ref, token=",".join(token_names), why=str(refusal)
                     )
@@ -208,6 +246,7 @@ class Arbiter:
                 policy=policy,
                 boot_id=boot_id,
                 blockers=blockers,
+                coverage=self.tokens.addresses(),
             )
             if plan.already_held:
                 own = txn.state.lease_of(claimant)
@@ -324,17 +363,29 @@ class Arbiter:
     # -- releasing ---------------------------------------------------------------
 
     def release_claimant(
-        self, claimant: str, success: bool = True, reason: str = "", *, force: bool = False
+        self,
+        claimant: str,
+        success: bool = True,
+        reason: str = "",
+        *,
+        force: bool = False,
+        stopped: bool = False,
     ) -> bool:
         """Remove the claimant's lease; the last lease on a token sends it home and
         brings back what was stopped for it.  Returns False when there was no lease.
 
         A claimant that still runs is refused (`ClaimantRunning`) unless `force`:
         its GPU would go home under it.  The hooks pass `force`, since libvirt or
-        the runtime has just told them the claimant stopped.  Failures restoring
-        holders are logged and leave the lease for `restore`; this never raises
-        for them, because it runs when a VM stops.
+        the runtime has just told them the claimant stopped, and `stopped`: a stop is
+        never blocked, not even by a ledger the host contradicts (the claimant's own
+        lease, if it has one, is what its GPU was given for).  From an operator, a
+        release on such a ledger is refused until the operator has decided.
+        Failures restoring holders are logged and leave the lease for `restore`;
+        this never raises for them, because it runs when a VM stops.
         """
+        if not stopped:
+            lease = self.ledger.read().lease_of(Claimant.parse(claimant))
+            self.refuse_contradictions(lease.tokens if lease is not None else ())
         return self.releaser().release_claimant(claimant, success, reason, force=force)
 
     # -- restore, status, poison ------------------------------------------------------
@@ -348,6 +399,7 @@ class Arbiter:
         are refused unless `force`; with `--stranded`, such a claimant (one that
         started again meanwhile) is skipped.
         """
+        self._refuse_rollback()
         state = self.ledger.read() if dry_run else self.ledger.tidy()
         boot_id = self.host.boot_id()
         if claimants is None:
@@ -365,6 +417,8 @@ class Arbiter:
                         raise ClaimantRunning(claimant, "restoring")
         if dry_run:
             return targets
+        leases = [lease for lease in map(state.lease_of, targets) if lease is not None]
+        self.refuse_contradictions([token for lease in leases for token in lease.tokens])
         releaser = self.releaser()
         for claimant in targets:
             self.events.emit("restore", claimant=claimant)
@@ -388,14 +442,22 @@ class Arbiter:
         )
 
     def status(self) -> Status:
+        """Leases, tokens and stranded claimants, and where the host (or the history)
+        contradicts the ledger.  Tokens no exclusive lease holds also list the holders
+        that run on them without a lease: an idle token is one nothing uses."""
+        recorded = self.history_generation()  # (read before the ledger: see _refuse_rollback)
         reading = self.ledger.inspect()
         state = reading.state or LedgerState()
         stranded = self.stranded_claimants(state) if reading.state else frozenset()
         tokens = []
         self.tokens.refresh()  # one read of every token's functions, now
-        for spec in self.tokens.all().values():
+        specs = list(self.tokens.all().values())
+        users = self._users(state, specs)
+        for spec in specs:
             poison = state.poison_of(spec.name)
             holding = [lease for lease in state.leases if blocks_token(lease, spec.name)]
+            lost = unaccounted(state, spec) if reading.state else ()
+            using = users.get(spec.name, ())
             mode = "unknown" if reading.corrupt else "idle"
             if any(lease.mode is Mode.EXCLUSIVE for lease in holding):
                 mode = "exclusive"
@@ -407,6 +469,11 @@ class Arbiter:
             ):
                 # Home already, but the release is still bringing back what it stopped.
                 mode = "releasing"
+            elif lost:
+                mode = "unaccounted"
+            elif reading.state and any(not holder.preemptible for holder in using):
+                mode = "in-use"
+            home = state.home_of(spec.name)
             tokens.append(
                 TokenStatus(
                     name=spec.name,
@@ -417,8 +484,12 @@ class Arbiter:
                     reason=poison.reason if poison else "",
                     since=poison.since if poison else "",
                     claimants=tuple(lease.claimant for lease in holding),
+                    users=using,
+                    unaccounted=lost,
+                    bound_by_admin=bool(home) and all(d == VFIO for d in home.values()),
                 )
             )
+        behind = reading.state is not None and recorded > state.generation
         return Status(
             leases=state.leases,
             tokens=tuple(tokens),
@@ -426,10 +497,91 @@ class Arbiter:
             generation=state.generation,
             corrupt=str(reading.corrupt) if reading.corrupt else None,
             boot_id=self.host.boot_id(),
+            history_generation=recorded if behind else None,
         )
 
+    def _users(
+        self, state: LedgerState, specs: Sequence[TokenSpec]
+    ) -> dict[str, tuple[Holder, ...]]:
+        """token -> the running holders that use it without a lease on it, for the
+        tokens no exclusive lease holds (an exclusive lease stopped its holders)."""
+        asked = [
+            spec
+            for spec in specs
+            if not any(
+                lease.mode is Mode.EXCLUSIVE and blocks_token(lease, spec.name)
+                for lease in state.leases
+            )
+        ]
+        if not asked:
+            return {}
+        try:
+            holders = self.host.holders(asked)
+        except ArbiterError as error:
+            log.warning("cannot list the holders for status: %s", error)
+            return {}
+        found: dict[str, list[Holder]] = {}
+        for holder in holders:
+            if not holder.running:
+                continue
+            for token in holder.tokens:
+                leased = any(
+                    token in lease.tokens for lease in state.leases if lease.claimant == holder.ref
+                )
+                if not leased and all(h.ref != holder.ref for h in found.get(token, [])):
+                    found.setdefault(token, []).append(holder)
+        return {token: tuple(holders) for token, holders in found.items()}
+
+    # -- where the host contradicts the ledger ----------------------------------------
+
+    def history_generation(self) -> int:
+        """The highest ledger generation the history recorded (0 without a history)."""
+        return self.generation_floor() if self.generation_floor is not None else 0
+
+    def _refuse_rollback(self, *, record: bool = True) -> None:
+        """Refuse (`LedgerContradicted`, exit 3) while the ledger is behind the history.
+
+        The history is read first: every generation it holds was on disk before it
+        was recorded, and a ledger only grows, so a ledger read after it that is
+        behind it went backwards (deleted, or replaced by an older or empty one)."""
+        recorded = self.history_generation()
+        if not recorded:
+            return
+        state = self.ledger.read()
+        if recorded > state.generation:
+            found = rollback_found(state.generation, recorded)
+            if record:
+                self.events.emit("mismatch", found=found)
+            raise LedgerContradicted(
+                "",
+                found,
+                hint=f"run {cli_command('recover')} to compare what the history says it "
+                "held with the host, then decide",
+            )
+
+    def refuse_contradictions(self, token_names: Sequence[str]) -> None:
+        """Refuse a mutating command while the ledger went backwards, or while one of
+        these tokens is on vfio-pci with nothing in the ledger to say why: only an
+        operator decides what the host really holds (`recover`, `adopt`, `send-home`)."""
+        self._refuse_rollback()
+        if not token_names:
+            return
+        state = self.ledger.read()
+        for spec in self.tokens.known(list(dict.fromkeys(token_names))):
+            now_spec = replace(spec, functions=tuple(self.tokens.functions_now(spec)))
+            lost = unaccounted(state, now_spec)
+            if lost:
+                found = (
+                    f"{', '.join(lost)} on vfio-pci, and no lease or poison in the ledger "
+                    "accounts for it"
+                )
+                self.events.emit("mismatch", token=spec.name, found=found)
+                raise LedgerContradicted(spec.name, found, unaccounted_hint(spec.name))
+
     def clear_poison(self, token: str) -> bool:
-        """Let claims on `token` again; refused (by the transaction) on a corrupt ledger."""
+        """Let claims on `token` again; refused (by the transaction) on a corrupt ledger,
+        and while the ledger went backwards."""
+        self.refuse_contradictions([token])
         with self.ledger.transaction() as txn:
             if txn.state.poison_of(token) is None:
                 return False

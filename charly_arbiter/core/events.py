@@ -11,10 +11,10 @@ operator reads the same words everywhere.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from charly_arbiter.core.model import target_label
+from charly_arbiter.core.model import HOME, target_label
 
 log = logging.getLogger("charly_arbiter.core.events")
 
@@ -31,10 +31,16 @@ ERRORS = frozenset({"poisoned"})
 class Events:
     def __init__(self, sinks: list[Sink] | None = None) -> None:
         self.sinks: list[Sink] = list(sinks or [])
+        # Fields every event carries, asked for at each emit (the ledger generation
+        # the process saw last); a provider's None leaves its field out.
+        self.context: dict[str, Callable[[], Any]] = {}
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Record one event; a failing sink is logged (one line; the traceback only
         at debug level) and never stops the caller."""
+        for key, provide in self.context.items():
+            if key not in fields and (value := provide()) is not None:
+                fields[key] = value
         log.info("%s %s", kind, logfmt(fields))
         for sink in self.sinks:
             try:
@@ -69,9 +75,10 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
         "refused": lambda: f"{claimant} was refused {token}: {why}",
         "stopping": lambda: f"{claimant}: stopping {holder} ({get('how', 'stop')})",
         "preempted": lambda: f"{claimant}: stopped {holder} ({get('how', 'stop')})",
-        "switching": lambda: f"{claimant}: switching {token} to {get('driver', '?')}",
+        "switching": lambda: f"{claimant}: switching {token} {_towards(get('driver', '?'))}",
         "switched": lambda: (
-            f"{token} is now on {get('driver', '?')} for {claimant} (took {get('seconds', '?')} s)"
+            f"{token} is {_now_on(get('driver', '?'))} for {claimant} "
+            f"(took {get('seconds', '?')} s)"
         ),
         "active": lambda: f"{claimant} holds {token} ({get('mode', '?')})",
         "poisoned": lambda: f"{token} is poisoned ({claimant}'s switch failed): {why}",
@@ -82,6 +89,19 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
         "restored": lambda: f"{claimant}: {holder} runs again",
         "restore-failed": lambda: f"{claimant}: could not start {holder} again: {why}",
         "poison-cleared": lambda: f"the poison of {token} was cleared",
+        "mismatch": lambda: (f"{get('token')}: " if get("token") else "") + get("found", "?"),
+        "adopted": lambda: (
+            f"{token} was adopted as bound to vfio-pci on purpose, by the administrator"
+            if get("by") == "administrator"
+            else f"{token} was adopted as held by {claimant} (exclusive)"
+            + (f", which had stopped {get('stopped')}" if get("stopped") else "")
+        ),
+        "send-home": lambda: f"{claimant}: sending {token} home, as an operator decided",
+        "recovered": lambda: (
+            f"the ledger was recovered from {get('source', '?')}"
+            + (f" (generation {get('generation')})" if get("generation") else "")
+            + f": {why}"
+        ),
     }
     sentence = sentences.get(kind)
     if sentence is not None:
@@ -89,6 +109,40 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
     return f"{kind} {logfmt(fields)}"
 
 
-def drivers_label(targets: Mapping[str, str]) -> str:
-    """The target drivers of a switch as events name them ("home" for the kernel's choice)."""
-    return ",".join(sorted({target_label(driver) for driver in targets.values()}))
+def drivers_label(targets: Mapping[str, str | None]) -> str:
+    """The target drivers of a switch as events record them: names joined by commas,
+    "home" for the kernel's choice (described as words by `describe`)."""
+    return ",".join(sorted({target_label(driver or "") for driver in targets.values()}))
+
+
+def _towards(label: str) -> str:
+    """ "to vfio-pci", "to nvidia and snd_hda_intel", "home" (the kernel picks the driver)."""
+    names = [name for name in label.split(",") if name and name != HOME]
+    if HOME not in label.split(","):
+        return f"to {and_list(names)}"
+    return "home" + (f" (to {and_list(names)} and the kernel's choice)" if names else "")
+
+
+def _now_on(label: str) -> str:
+    names = [name for name in label.split(",") if name and name != HOME]
+    if HOME in label.split(","):
+        return "home" + (f" (on {and_list(names)} and the kernel's choice)" if names else "")
+    return f"now on {and_list(names)}"
+
+
+def and_list(names: Sequence[str]) -> str:
+    """ "a", "a and b", "a, b and c"."""
+    names = list(names)
+    if len(names) <= 1:
+        return "".join(names)
+    return f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def count_of(number: int, noun: str, plural: str | None = None) -> str:
+    """ "1 lease", "2 leases", "0 leases"."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
+
+
+def a_or_an(word: str) -> str:
+    """ "an exclusive", "a shared"."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"

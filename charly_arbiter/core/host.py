@@ -140,6 +140,10 @@ class Holder:
 
     `how` says how it would be stopped (shown by `plan`); `restartable` is false
     for things that cannot be brought back, such as a terminated process.
+    `passthrough` is true for a holder that has the GPU passed through (a VM's
+    PCI hostdev): it needs the GPU off its home driver, so nothing shares the GPU
+    beside it; every other holder uses the GPU on its home driver, beside shared
+    claimants.
     """
 
     ref: Claimant
@@ -149,6 +153,7 @@ class Holder:
     how: str = "stop"
     detail: str = ""
     restartable: bool = True
+    passthrough: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ref", Claimant.parse(self.ref))

@@ -62,6 +62,10 @@ class Ledger:
         self.lock_timeout = lock_timeout
         # The bytes decoded last, and their state.
         self._decoded: tuple[bytes, LedgerState] | None = None
+        # The generation of the ledger this process read or wrote last (None before
+        # the first): every event records it, so the history can tell when the
+        # ledger went backwards.
+        self.generation_seen: int | None = None
 
     # -- reading ---------------------------------------------------------------
 
@@ -79,6 +83,7 @@ class Ledger:
                 return self._load_file(self.path)
         if backup_existed:
             raise LedgerCorrupt(self.path, f"it is missing but {self.backup} exists")
+        self.generation_seen = 0
         return LedgerState()
 
     def inspect(self) -> Reading:
@@ -96,7 +101,9 @@ class Ledger:
 
         Keep the body short: never wait on the outside world inside it.  A
         corrupt or unsafe ledger raises before the body runs, so a mutating
-        command fails closed and changes nothing.
+        command fails closed and changes nothing.  The body may raise the
+        generation (`recover`, past what the history recorded of a ledger that
+        went backwards); it never lowers it.
         """
         self._check_state_dir(create=True)
         with self._locked():
@@ -105,7 +112,8 @@ class Ledger:
             before = txn.state
             yield txn
             if txn.state != before:
-                self._write_unlocked(replace(txn.state, generation=before.generation + 1))
+                generation = max(before.generation, txn.state.generation) + 1
+                self._write_unlocked(replace(txn.state, generation=generation))
         crashpoint("ledger.unlocked")
 
     def tidy(self) -> LedgerState:
@@ -123,6 +131,7 @@ class Ledger:
             if self.backup.exists():
                 # A ledger never disappears on its own; its backup says it existed.
                 raise LedgerCorrupt(self.path, f"it is missing but {self.backup} exists")
+            self.generation_seen = 0
             return LedgerState()
         return self._load_file(self.path)
 
@@ -179,6 +188,7 @@ class Ledger:
             why, fix = files.describe_os_error(Path(error.filename or self.path), error)
             raise LedgerWriteFailed(self.path, why, fix) from error
         self._decoded = (data, state)  # the next transaction reads what was just written
+        self.generation_seen = state.generation
         self._write_cache_unlocked(state, ledger_format.checksum_of(data))
 
     def _write_cache_unlocked(self, state: LedgerState, digest: str) -> None:
@@ -227,12 +237,17 @@ class Ledger:
         except OSError as error:
             raise LedgerCorrupt(path, f"cannot be read: {error}") from error
         if self._decoded is not None and self._decoded[0] == data:
-            return self._decoded[1]
-        try:
-            state = ledger_format.decode(data, self._cache_bytes() if path == self.path else None)
-        except ledger_format.FormatError as error:
-            raise LedgerCorrupt(path, str(error)) from error
-        self._decoded = (data, state)
+            state = self._decoded[1]
+        else:
+            try:
+                state = ledger_format.decode(
+                    data, self._cache_bytes() if path == self.path else None
+                )
+            except ledger_format.FormatError as error:
+                raise LedgerCorrupt(path, str(error)) from error
+            self._decoded = (data, state)
+        if path == self.path:
+            self.generation_seen = state.generation
         return state
 
     # -- locking -------------------------------------------------------------------

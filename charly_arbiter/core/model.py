@@ -105,6 +105,26 @@ def now() -> str:
     return datetime.now(UTC).astimezone().isoformat(timespec="seconds")
 
 
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def human_time(moment: str | datetime) -> str:
+    """The one way a time is shown to a person (status, explain, history, refusals,
+    doctor): local time to the second, `2026-11-29 15:26:44`.  Machine outputs
+    (`--json`, the ledger) keep ISO 8601 with the offset.  A text that is not a
+    time is shown as it is; a time without a zone is taken as UTC."""
+    if isinstance(moment, str):
+        try:
+            when = datetime.fromisoformat(moment)
+        except ValueError:
+            return moment or "an unknown time"
+    else:
+        when = moment
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.astimezone().strftime(TIME_FORMAT)
+
+
 class Mode(StrEnum):
     EXCLUSIVE = "exclusive"
     SHARED = "shared"
@@ -304,6 +324,9 @@ class LedgerState:
         homes = dict(self.homes)
         homes[token] = tuple(sorted(home.items()))
         return replace(self, homes=tuple(sorted(homes.items())))
+
+    def without_home(self, token: str) -> LedgerState:
+        return replace(self, homes=tuple(item for item in self.homes if item[0] != token))
 
     def with_poison(self, token: str, poison: Poison | None) -> LedgerState:
         poisoned = dict(self.poisoned)

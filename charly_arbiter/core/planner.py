@@ -7,9 +7,10 @@ tested over every pair of states.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from charly_arbiter.core.events import a_or_an
 from charly_arbiter.core.host import NO_DRIVER, Blocker, Holder, TokenSpec
 from charly_arbiter.core.model import (
     VFIO,
@@ -20,8 +21,15 @@ from charly_arbiter.core.model import (
     Mode,
     StepState,
     StoppedHolder,
+    human_time,
 )
-from charly_arbiter.errors import ClaimRefused, PassthroughImpossible, TokenPoisoned, cli_command
+from charly_arbiter.errors import (
+    ClaimRefused,
+    PassthroughImpossible,
+    TokenPoisoned,
+    TokenUnaccounted,
+    cli_command,
+)
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,57 @@ def home_map(ledger: LedgerState, token: TokenSpec) -> dict[str, str]:
     return home
 
 
+def unaccounted(ledger: LedgerState, token: TokenSpec) -> tuple[str, ...]:
+    """The token's functions on vfio-pci that nothing in the ledger accounts for.
+
+    A function is on vfio-pci rightly while an exclusive lease lists its token (in
+    any state: acquiring, active, or releasing it), while the token is poisoned (a
+    switch that failed left it there), or when its recorded home is vfio-pci (an
+    operator's `adopt --admin`: bound there on purpose).  Anything else is the
+    host contradicting the ledger (I2): a lease was lost with a deleted or replaced
+    ledger, or something outside the arbiter bound it.  Empty when all is well.
+    """
+    on_vfio = [f.address for f in token.functions if f.driver == VFIO]
+    if not on_vfio or ledger.poison_of(token.name) is not None:
+        return ()
+    if any(lease.mode is Mode.EXCLUSIVE for lease in ledger.leases_on(token.name)):
+        return ()
+    home = ledger.home_of(token.name)
+    return tuple(address for address in on_vfio if home.get(address) != VFIO)
+
+
+def unaccounted_hint(token: str) -> str:
+    """What an operator does about a token `unaccounted` names: look, then decide."""
+    return (
+        f"run {cli_command('explain', operands=[token])} to see what the history says, then "
+        f"{cli_command('adopt', operands=[token, 'KIND:NAME'])} for whoever uses it, "
+        f"{cli_command('adopt', '--admin', operands=[token])} if it is bound there on purpose, "
+        f"or {cli_command('send-home', operands=[token])}"
+    )
+
+
+def overlapping(
+    ledger: LedgerState,
+    token: TokenSpec,
+    coverage: Mapping[str, Collection[str]],
+) -> tuple[str, str] | None:
+    """Another token, held or poisoned, with a function of `token`, and that function.
+
+    The catalogue refuses overlapping tokens; this is the planner's own check, by
+    address, so that a configuration that slipped through (or a lease on a token
+    that has left the configuration since: its recorded homes say which functions
+    it had) can never give one function two owners (I1)."""
+    mine = {f.address for f in token.functions} | {token.address}
+    others = {name for lease in ledger.leases for name in lease.tokens if blocks_token(lease, name)}
+    others |= {name for name, _ in ledger.poisoned}
+    for other in sorted(others - {token.name}):
+        addresses = set(coverage.get(other, ())) or set(ledger.home_of(other))
+        shared = sorted(mine & addresses)
+        if shared:
+            return other, shared[0]
+    return None
+
+
 def blocks_token(lease: Lease, token: str) -> bool:
     """Whether `lease` still holds `token` (a releasing lease lets go token by token)."""
     if token not in lease.tokens:
@@ -115,6 +174,7 @@ def decide_claim(
     policy: Policy = NO_POLICY,
     boot_id: str | None = None,
     blockers: Mapping[str, Blocker] | None = None,
+    coverage: Mapping[str, Collection[str]] | None = None,
 ) -> ClaimPlan:
     """Decide a claim, or raise the `ClaimRefused` that says why it cannot be had.
 
@@ -122,13 +182,36 @@ def decide_claim(
     boot is not "already held" (the reboot undid it on the host) but refused
     until `restore` has removed it, loudly.  `blockers` say which tokens this
     host cannot pass through at all; an exclusive claim on one is refused
-    before anything is stopped.
+    before anything is stopped.  `coverage` maps every token of the catalogue to
+    its functions' addresses: a claim on a function another token's lease (or
+    poison) covers is refused, whatever the tokens are called.
     """
     names = tuple(token.name for token in tokens)
     for token in tokens:
         poison = ledger.poison_of(token.name)
         if poison is not None:
-            raise TokenPoisoned(token.name, claimant, poison.reason, poison.since)
+            raise TokenPoisoned(token.name, claimant, poison.reason, human_time(poison.since))
+    for token in tokens:
+        shared_with = overlapping(ledger, token, coverage or {})
+        if shared_with is not None:
+            other, address = shared_with
+            owners = [lease.claimant for lease in ledger.leases if other in lease.tokens]
+            held = f"held by {', '.join(owners)}" if owners else "poisoned"
+            raise ClaimRefused(
+                _label(token),
+                claimant,
+                f"its function {address} is also part of token {other}, which is {held}; "
+                "tokens must not overlap",
+                hint="give each IOMMU group one token in arbiter.toml "
+                f"({cli_command('detect')} shows the groups), then run {cli_command('doctor')}",
+            )
+
+    for token in tokens:
+        found = unaccounted(ledger, token)
+        if found:
+            raise TokenUnaccounted(
+                _label(token), claimant, ", ".join(found), hint=unaccounted_hint(token.name)
+            )
     if mode is Mode.EXCLUSIVE:
         for token in tokens:
             blocker = (blockers or {}).get(token.name)
@@ -163,7 +246,7 @@ def decide_claim(
         raise ClaimRefused(
             ", ".join(own.tokens),
             claimant,
-            f"it already holds a {own.mode} lease in state {own.state}",
+            f"it already holds {a_or_an(own.mode)} lease in state {own.state}",
             hint=f"run {cli_command('release', operands=[claimant])} "
             f"(or {cli_command('restore', operands=[claimant])}) first",
         )
@@ -183,7 +266,8 @@ def decide_claim(
                 raise ClaimRefused(
                     _label(token),
                     claimant,
-                    f"{token.name} is held exclusively by {lease.claimant} since {lease.created}",
+                    f"{token.name} is held exclusively by {lease.claimant} "
+                    f"since {human_time(lease.created)}",
                     hint=f"stop {lease.claimant} first, or wait until it releases the GPU",
                 )
             if mode is Mode.EXCLUSIVE and lease.state is not LeaseState.ACTIVE:
@@ -373,8 +457,11 @@ def _decide_shared(
     claimants = {lease.claimant for lease in ledger.leases}
     stops = []
     for holder in _running_holders(holders, claimant, tuple(first_names)):
-        # A shared claimant already shares; anything else that is preemptible makes room.
-        if holder.preemptible and holder.ref not in claimants:
+        # Sharing means using the GPU on its home driver, beside whatever else uses it
+        # there (a unit, a container, a process, a shared claimant): only a holder
+        # that has it passed through cannot stay, and is stopped (or, not
+        # preemptible, refuses the claim).
+        if holder.passthrough and holder.ref not in claimants:
             _refuse_unless_preemptible(holder, claimant, first, policy)
             stops.append(StopStep(holder.ref, holder.how, tokens=holder.tokens))
     _refuse_stops_being_started(ledger, claimant, stops, first, frozenset())
@@ -383,6 +470,16 @@ def _decide_shared(
     for token in first:
         home = home_map(ledger, token)
         homes[token.name] = home
+        if any(home[f.address] == VFIO for f in token.functions):
+            raise ClaimRefused(
+                _label(token),
+                claimant,
+                "its home is vfio-pci: the administrator keeps it there on purpose, so it "
+                "is only ever passed through",
+                hint="claim it exclusively, or run "
+                f"{cli_command('send-home', operands=[token.name])} "
+                "if it should come back to the host",
+            )
         for function in token.functions:
             target = home[function.address]
             if function.is_display and function.driver in (None, VFIO) and target == NO_DRIVER:

@@ -400,7 +400,9 @@ def decide_home(state: LedgerState, token: str, spec: TokenSpec | None) -> HomeS
     switches = tuple(
         Switch(token, address, current.get(address), driver)
         for address, driver in home.items()
-        if current.get(address) == VFIO or (driver and current.get(address) != driver)
+        # (A home of vfio-pci, `adopt --admin`'s, is where it stays.)
+        if (current.get(address) == VFIO and driver != VFIO)
+        or (driver and current.get(address) != driver)
     )
     return HomeStep(token, HomeWay.SWITCH if switches else HomeWay.HOME, switches)
 

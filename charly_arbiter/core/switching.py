@@ -58,11 +58,21 @@ class Switching:
             "switched",
             token=token.name,
             claimant=claimant,
-            driver=drivers_label(targets),
+            driver=drivers_label(self._bound_now(token, targets)),
             seconds=round(time.monotonic() - started, 3),
         )
         if token.cdi:
             self.regenerate_cdi(token)
+
+    def _bound_now(self, token: TokenSpec, targets: Mapping[str, str]) -> dict[str, str]:
+        """The drivers the switched functions are on now: a switch home to the kernel's
+        choice is said as the driver it chose ("gpu1 is now on nvidia", not "home")."""
+        try:
+            functions = self.host.token_functions(token.name, token.address)
+            found = {function.address: function.driver for function in functions}
+        except ArbiterError:
+            return dict(targets)
+        return {address: found.get(address) or target for address, target in targets.items()}
 
     def poison(self, token: str, reason: str, claimant: Claimant) -> None:
         with self.ledger.transaction() as txn:

@@ -1,25 +1,65 @@
 """The tokens of this host, read once per command.
 
 A token is a GPU with every function of its IOMMU group: configured by name in
-arbiter.toml, or, without any, every detected GPU named after its address.
-An SR-IOV virtual function is a token only when configured (by its address):
-VFs come and go with their physical function's count, and which of them go to
-VMs is the operator's choice; unconfigured, a display-class VF would pass for
-a GPU of its own, and its physical function's token already knows it.
-Reading one means reading its group's functions and their drivers from the
-host, so the catalogue does it once and hands the same specs to everyone in
-the command (the hook's claim lookup, the claim itself, status).  `reread`
-is for the moments drivers may have moved since (a claim that waited).
+arbiter.toml, or, without any, one per IOMMU group that holds a GPU, named
+after the group's first GPU.  An SR-IOV virtual function is a token only when
+configured (by its address): VFs come and go with their physical function's
+count, and which of them go to VMs is the operator's choice; unconfigured, a
+display-class VF would pass for a GPU of its own, and its physical function's
+token already knows it.  Reading one means reading its group's functions and
+their drivers from the host, so the catalogue does it once and hands the same
+specs to everyone in the command (the hook's claim lookup, the claim itself,
+status).  `reread` is for the moments drivers may have moved since (a claim
+that waited).
+
+Tokens never overlap: one function, one group, one owner.  Configured tokens
+that share a function or an IOMMU group (the same address under two names, a
+GPU and its own audio function, two GPUs behind a bridge without ACS) are a
+configuration error, refused before anything acts on them.  Without a
+configuration, two GPUs in one group are one token, since they can only leave
+the host together; `merged` says which (doctor shows it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
+from pathlib import Path
 
-from charly_arbiter.core.config import Config
+from charly_arbiter.core.config import DEFAULT_CONFIG, Config
 from charly_arbiter.core.host import Host, PciFunction, TokenSpec
-from charly_arbiter.errors import UnknownToken
+from charly_arbiter.errors import TokensOverlap, UnknownToken
+
+
+def overlap(specs: Iterable[TokenSpec]) -> tuple[str, str, str] | None:
+    """The first two tokens that share a function or an IOMMU group, and what they
+    share ("0000:0a:00.1 (IOMMU group 12)"), or None."""
+    by_address: dict[str, str] = {}
+    by_group: dict[str, str] = {}
+    for spec in specs:
+        groups = {f.address: f.iommu_group for f in spec.functions}
+        for address in sorted({spec.address, *groups}):
+            other = by_address.get(address)
+            if other is not None and other != spec.name:
+                group = groups.get(address)
+                return other, spec.name, address + (f" (IOMMU group {group})" if group else "")
+        for group in sorted({g for g in groups.values() if g is not None}):
+            other = by_group.get(group)
+            if other is not None and other != spec.name:
+                return other, spec.name, f"IOMMU group {group}"
+        for address in {spec.address, *groups}:
+            by_address.setdefault(address, spec.name)
+        for group in groups.values():
+            if group is not None:
+                by_group.setdefault(group, spec.name)
+    return None
+
+
+def check_overlap(specs: Iterable[TokenSpec], config_path: Path) -> None:
+    """Refuse (`TokensOverlap`, exit 2) tokens that share a function or a group."""
+    found = overlap(specs)
+    if found is not None:
+        raise TokensOverlap(config_path, *found)
 
 
 class TokenCatalogue:
@@ -27,11 +67,18 @@ class TokenCatalogue:
         self.config = config
         self.host = host
         self._specs: dict[str, TokenSpec] | None = None
+        # Without a configuration: each GPU that shares its group with an earlier
+        # one -> the token (named after that one) it is part of.
+        self.merged: dict[str, str] = {}
 
     def all(self) -> dict[str, TokenSpec]:
-        """Every token, with each function's driver as read the first time."""
+        """Every token, with each function's driver as read the first time.
+
+        Raises `TokensOverlap` when configured tokens overlap: nothing may act on
+        a configuration in which one GPU has two owners."""
         if self._specs is None:
             specs: dict[str, TokenSpec] = {}
+            merged: dict[str, str] = {}
             if self.config.tokens:
                 for token in self.config.tokens:
                     functions = tuple(self.host.token_functions(token.name, token.address))
@@ -47,12 +94,33 @@ class TokenCatalogue:
                 for gpu in self.host.gpus():
                     if gpu.is_virtual:
                         continue
+                    part_of = next(
+                        (
+                            spec.name
+                            for spec in specs.values()
+                            if any(f.address == gpu.address for f in spec.functions)
+                        ),
+                        None,
+                    )
+                    if part_of is not None:
+                        merged[gpu.address] = part_of
+                        continue
                     functions = tuple(self.host.token_functions(gpu.address, gpu.address))
                     specs[gpu.address] = TokenSpec(
                         gpu.address, gpu.address, functions, console=self.config.console
                     )
+            check_overlap(specs.values(), self.config.path or DEFAULT_CONFIG)
             self._specs = specs
+            self.merged = merged
         return self._specs
+
+    def addresses(self) -> dict[str, frozenset[str]]:
+        """token -> the addresses of its functions: what the planner checks a claim
+        against, so that no function is claimed under two names."""
+        return {
+            name: frozenset(f.address for f in spec.functions) | {spec.address}
+            for name, spec in self.all().items()
+        }
 
     def refresh(self) -> None:
         """Forget what was read: the next question reads the host again (a long-lived

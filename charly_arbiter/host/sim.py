@@ -346,6 +346,8 @@ class SimHost:
                     running=bool(running.get(ref, False)),
                     how=str(spec.get("how", "stop")),
                     restartable=spec.get("kind") != "process",
+                    # A simulated VM passes its GPU through unless host.toml says otherwise.
+                    passthrough=bool(spec.get("passthrough", spec.get("kind") == "libvirt")),
                 )
             )
         return found

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
-from charly_arbiter.core.model import Claimant, LeaseState
+from charly_arbiter.core.model import Claimant, LeaseState, Mode
 from charly_arbiter.errors import ArbiterError, HolderError, HostError, LedgerCorrupt
 from charly_arbiter.host.blocking import TimedOut, bounded
 from charly_arbiter.host.markers import ACTING_DIR, in_hook, marked
@@ -229,6 +229,9 @@ class LibvirtHolders:
             running=running,
             how=f"virsh {method}",
             detail=f"{claim.mode} claim" if claim else "listed in arbiter.toml",
+            # A vGPU (mdev) claim uses the GPU on its home driver; a PCI hostdev, or a
+            # domain listed in arbiter.toml, has it passed through.
+            passthrough=not (claim is not None and claim.mode is Mode.SHARED),
         )
 
     def _stop_method(self, name: str, domain: Any) -> str:

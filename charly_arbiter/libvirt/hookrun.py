@@ -142,7 +142,7 @@ class HookRun(HookSession):
                 spawn_finish_release(self.config, self.ref, reason, arbiter.owner)
             return 0
         # libvirt says the domain has stopped: no need to ask whether it runs.
-        arbiter.release_claimant(self.ref, success=success, reason=reason, force=True)
+        arbiter.release_claimant(self.ref, success=success, reason=reason, force=True, stopped=True)
         return 0
 
     def reconnect(self, claim: DomainClaim | None) -> int:

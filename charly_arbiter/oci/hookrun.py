@@ -154,5 +154,5 @@ class HookRun(HookSession):
                 spawn_finish_release(self.config, self.ref, "stopped", arbiter.owner)
             return 0
         # The runtime says the container has stopped: no need to ask whether it runs.
-        arbiter.release_claimant(self.ref, success=True, reason="stopped", force=True)
+        arbiter.release_claimant(self.ref, success=True, reason="stopped", force=True, stopped=True)
         return 0

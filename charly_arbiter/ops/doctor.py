@@ -8,24 +8,27 @@ reachability) through `run_checks(more=...)`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 
 from charly_arbiter.core import files
-from charly_arbiter.core.arbiter import Arbiter
+from charly_arbiter.core.arbiter import Arbiter, rollback_found
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Host
-from charly_arbiter.errors import ArbiterError, cli_command
+from charly_arbiter.core.model import VFIO, LedgerState, human_time
+from charly_arbiter.core.planner import unaccounted, unaccounted_hint
+from charly_arbiter.errors import ArbiterError, TokensOverlap, cli_command
 from charly_arbiter.host import run
 from charly_arbiter.host.detect import FunctionInfo, detect, group_problems
 from charly_arbiter.host.local import NVIDIA_VENDOR, LocalHost
 from charly_arbiter.host.sysfs import BRIDGE_CLASS
-from charly_arbiter.ops.history import HistoryLog, Record
+from charly_arbiter.ops.history import HistoryLog, Record, last_holder
 
 HOOK_PATH = Path("/etc/libvirt/hooks/qemu.d/charly-arbiter")
 
@@ -44,8 +47,12 @@ class Check:
     fix: str = ""
 
 
-def host_checks(config: Config, host: Host, vm_memory: int) -> list[Check]:
-    """IOMMU, vfio-pci, each token's group, nvidia-ctk and memlock (local host only)."""
+def host_checks(
+    config: Config, host: Host, vm_memory: int, merged: Collection[str] = ()
+) -> list[Check]:
+    """IOMMU, vfio-pci, each token's group, nvidia-ctk and memlock (local host only).
+    `merged` are GPUs that are part of another GPU's token (no configuration, one
+    IOMMU group): they are checked as that token's group, not as tokens of their own."""
     if not isinstance(host, LocalHost):
         return [Check("host", Level.WARNING, f"{host.description} is simulated; PCI not checked")]
     found = detect(host, vm_memory)
@@ -70,7 +77,7 @@ def host_checks(config: Config, host: Host, vm_memory: int) -> list[Check]:
     ]
     functions = {f.address: f for f in found.functions}
     wanted = [(t.name, t.address) for t in config.tokens] or [
-        (g.address, g.address) for g in found.gpus
+        (g.address, g.address) for g in found.gpus if g.address not in merged
     ]
     for name, address in wanted:
         function = functions.get(address)
@@ -173,12 +180,12 @@ def cdi_check(spec: Path, tokens: set[str], records: Sequence[Record]) -> Check:
         return Check(
             "cdi",
             Level.WARNING,
-            f"the CDI spec {spec} ({written:%Y-%m-%d %H:%M:%S}) is older than the last switch "
-            f"of {', '.join(last.tokens)} ({last.time:%Y-%m-%d %H:%M:%S})",
+            f"the CDI spec {spec} ({human_time(written)}) is older than the last switch "
+            f"of {', '.join(last.tokens)} ({human_time(last.time)})",
             fix,
         )
-    since = f", after the last switch ({last.time:%Y-%m-%d %H:%M:%S})" if last else ""
-    return Check("cdi", Level.OK, f"CDI spec {spec} written {written:%Y-%m-%d %H:%M:%S}{since}")
+    since = f", after the last switch ({human_time(last.time)})" if last else ""
+    return Check("cdi", Level.OK, f"CDI spec {spec} written {human_time(written)}{since}")
 
 
 def hook_check(path: Path) -> Check:
@@ -192,19 +199,33 @@ def hook_check(path: Path) -> Check:
     )
 
 
-def ledger_checks(arbiter: Arbiter) -> list[Check]:
+def ledger_checks(arbiter: Arbiter, history: Sequence[Record] = ()) -> list[Check]:
+    """The ledger: it verifies, it is not behind the history, nothing is poisoned or
+    stranded, and the host agrees with it (`token_checks`)."""
+    recorded = arbiter.history_generation()  # (before the ledger, as the arbiter reads them)
     reading = arbiter.ledger.inspect()
     if reading.corrupt is not None:
         return [Check("ledger", Level.PROBLEM, str(reading.corrupt), reading.corrupt.hint or "")]
     state = reading.state
     assert state is not None
-    checks = [Check("ledger", Level.OK, f"ledger healthy (generation {state.generation})")]
+    if recorded > state.generation:
+        checks = [
+            Check(
+                "ledger",
+                Level.PROBLEM,
+                rollback_found(state.generation, recorded),
+                f"run {cli_command('recover')} to compare what the history says it held with "
+                f"the host, then {cli_command('recover', '--yes')} to continue from it",
+            )
+        ]
+    else:
+        checks = [Check("ledger", Level.OK, f"ledger healthy (generation {state.generation})")]
     for token, poison in state.poisoned:
         checks.append(
             Check(
                 f"poison {token}",
                 Level.PROBLEM,
-                f"{token} is poisoned since {poison.since}: {poison.reason}",
+                f"{token} is poisoned since {human_time(poison.since)}: {poison.reason}",
                 f"check the GPU by hand, then {cli_command('poison', 'clear', operands=[token])}",
             )
         )
@@ -221,6 +242,72 @@ def ledger_checks(arbiter: Arbiter) -> list[Check]:
         if stranded
         else Check("stranded", Level.OK, "no stranded leases")
     )
+    return checks + token_checks(arbiter, state, history)
+
+
+def token_checks(arbiter: Arbiter, state: LedgerState, history: Sequence[Record]) -> list[Check]:
+    """Tokens that overlap (one GPU, two owners), GPUs made one token because they share
+    a group, and GPUs on vfio-pci: a token's that nothing in the ledger accounts for is
+    a problem; one kept there on purpose (`adopt --admin`), or one no token claims (an
+    administrator's, bound at boot), is left alone."""
+    try:
+        specs = arbiter.tokens.all()
+    except TokensOverlap as error:
+        return [Check("tokens", Level.PROBLEM, error.why, error.hint or "")]
+    checks = [
+        Check(
+            f"token {token}",
+            Level.WARNING,
+            f"{gpu} shares IOMMU group with {token}: they are one token, {token}, and are "
+            "claimed, switched and passed through together",
+            "name the token in arbiter.toml ([tokens.NAME] with the first GPU's address), "
+            "or move one GPU to a slot with a group of its own",
+        )
+        for gpu, token in sorted(arbiter.tokens.merged.items())
+    ]
+    for name, spec in specs.items():
+        lost = unaccounted(state, spec)
+        if not lost:
+            continue
+        story = last_holder(history, name)
+        fix = unaccounted_hint(name)
+        if story is not None:
+            fix = (
+                f"the history says {story.claimant} holds it since {human_time(story.since)}: "
+                f"run {cli_command('adopt', operands=[name, story.claimant])} if it still uses it, "
+                f"otherwise {cli_command('send-home', operands=[name])}"
+            )
+        checks.append(
+            Check(
+                f"token {name}",
+                Level.PROBLEM,
+                f"{', '.join(lost)} on vfio-pci, and no lease or poison in the ledger accounts "
+                "for it: nothing acts on it until you decide",
+                fix,
+            )
+        )
+    bound = sorted(
+        name
+        for name in specs
+        if (home := state.home_of(name)) and all(driver == VFIO for driver in home.values())
+    )
+    checks += [
+        Check(f"token {name}", Level.OK, f"{name} stays on vfio-pci on purpose (adopt --admin)")
+        for name in bound
+    ]
+    claimed = {f.address for spec in specs.values() for f in spec.functions}
+    try:
+        outside = [g for g in arbiter.host.gpus() if g.address not in claimed and g.driver == VFIO]
+    except ArbiterError:
+        outside = []
+    checks += [
+        Check(
+            f"gpu {gpu.address}",
+            Level.OK,
+            f"{gpu.address} is on vfio-pci and no token claims it: the arbiter leaves it alone",
+        )
+        for gpu in outside
+    ]
     return checks
 
 
@@ -232,10 +319,13 @@ def run_checks(
 ) -> list[Check]:
     """Every check, in order; `more` are groups from the layers above (libvirt's)."""
     checks: list[Check] = []
+    with contextlib.suppress(ArbiterError):
+        arbiter.tokens.all()  # (which GPUs share a token; an overlap is checked below)
+    history = HistoryLog(arbiter.config.state_dir).read().records
     groups: list[Callable[[], list[Check]]] = [
-        lambda: host_checks(arbiter.config, arbiter.host, vm_memory),
+        lambda: host_checks(arbiter.config, arbiter.host, vm_memory, arbiter.tokens.merged),
         lambda: [hook_check(hook)],
-        lambda: ledger_checks(arbiter),
+        lambda: ledger_checks(arbiter, history),
         *more,
     ]
     for group in groups:

@@ -14,11 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from charly_arbiter.core.arbiter import Status, TokenStatus
-from charly_arbiter.core.events import describe
-from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState
+from charly_arbiter.core.arbiter import Status, TokenStatus, rollback_found
+from charly_arbiter.core.events import and_list, describe
+from charly_arbiter.core.host import Holder
+from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState, human_time
+from charly_arbiter.core.planner import unaccounted_hint
 from charly_arbiter.errors import cli_command
-from charly_arbiter.ops.history import Record
+from charly_arbiter.ops.history import Record, last_holder
 
 
 @dataclass(frozen=True)
@@ -34,17 +36,32 @@ def explain_token(name: str, facts: Facts) -> list[str]:
     token = next(t for t in facts.status.tokens if t.name == name)
     holding = [lease for lease in facts.status.leases if lease.claimant in token.claimants]
     label = f"{token.name} ({token.address})"
-    if not holding:
-        sentences = [f"{label} is idle: no lease holds it."]
+    sentences = _went_back(facts)
+    if facts.status.corrupt:
+        sentences.append(
+            f"Who holds {label} is unknown: the ledger is corrupt. "
+            f"Fix: run {cli_command('recover')}."
+        )
+    elif token.unaccounted:
+        sentences += _unaccounted(token, facts)
+    elif not holding:
+        sentences.append(_unleased(label, token.users))
     elif token.mode == Mode.EXCLUSIVE:
         lease = holding[0]
-        sentences = [
+        sentences.append(
             f"{label} is held exclusively by {lease.claimant} since {_when(lease.created, facts)}."
-        ]
+        )
     else:
         who = _and([f"{lease.claimant} since {_when(lease.created, facts)}" for lease in holding])
-        sentences = [f"{label} is shared by {who}."]
+        sentences.append(f"{label} is shared by {who}.")
+        sentences += [f"It is also {_use(holder)}." for holder in token.users]
     sentences.append(_drivers(token))
+    if token.bound_by_admin:
+        sentences.append(
+            "Its home is vfio-pci: the administrator keeps it there on purpose (`adopt "
+            "--admin`), so it is only ever passed through; "
+            f"{cli_command('send-home', operands=[token.name])} undoes that."
+        )
     for lease in holding:
         sentences += _lease_story(lease, facts)
     sentences += _poison(token, facts)
@@ -56,8 +73,77 @@ def explain_token(name: str, facts: Facts) -> list[str]:
     return sentences
 
 
+def _went_back(facts: Facts) -> list[str]:
+    recorded = facts.status.history_generation
+    if recorded is None:
+        return []
+    return [
+        f"The ledger went backwards: {rollback_found(facts.status.generation, recorded)}, so "
+        f"it may not know everything below. Fix: run {cli_command('recover')}."
+    ]
+
+
+def _unleased(label: str, users: Sequence[Holder]) -> str:
+    """A token no lease holds: idle, or used by holders that hold no lease."""
+    if not users:
+        return f"{label} is idle: no lease holds it and nothing runs on it."
+    if any(not holder.preemptible for holder in users):
+        return (
+            f"{label} is in use, though no lease holds it: it is {_use_list(users)}; "
+            "exclusive claims on it are refused while that runs, shared claims use it beside it."
+        )
+    return f"{label} is idle: no lease holds it, but it is {_use_list(users)}."
+
+
+def _use_list(users: Sequence[Holder]) -> str:
+    return and_list([_use(holder) for holder in users])
+
+
+def _use(holder: Holder) -> str:
+    if not holder.preemptible:
+        return f"used by {holder.ref}, which is not preemptible"
+    if holder.passthrough:
+        return f"passed through to {holder.ref}, which a claim stops"
+    return f"used by {holder.ref}, which an exclusive claim stops"
+
+
+def _unaccounted(token: TokenStatus, facts: Facts) -> list[str]:
+    """A token on vfio-pci that the ledger does not account for, what the history
+    says held it, and what the operator can decide."""
+    label = f"{token.name} ({token.address})"
+    sentences = [
+        f"{label} is on vfio-pci ({', '.join(token.unaccounted)}), and no lease or poison in "
+        "the ledger accounts for it: a lease was lost with the ledger, or something outside "
+        "the arbiter bound it there. Nothing claims, releases or restores it until you decide."
+    ]
+    story = last_holder(facts.history, token.name)
+    if story is None:
+        sentences.append(
+            "The history names nobody who holds it. Fix: " + unaccounted_hint(token.name) + "."
+        )
+        return sentences
+    stopped = (
+        f"; its claim had stopped {_and(list(story.stopped))}, which "
+        f"{'is' if len(story.stopped) == 1 else 'are'} to be started again when it ends"
+        if story.stopped
+        else ""
+    )
+    sentences.append(
+        f"The history says {story.claimant} claimed it exclusively at "
+        f"{_when(story.since, facts)} and never released it{stopped}."
+    )
+    sentences.append(
+        f"Fix: if {story.claimant} still uses it, run "
+        f"{cli_command('adopt', operands=[token.name, story.claimant])}; "
+        f"if nothing should have it, run {cli_command('send-home', operands=[token.name])}; "
+        "if it is on vfio-pci on purpose, run "
+        f"{cli_command('adopt', '--admin', operands=[token.name])}."
+    )
+    return sentences
+
+
 def explain_claimant(claimant: str, facts: Facts) -> list[str]:
-    sentences: list[str] = []
+    sentences: list[str] = _went_back(facts)
     lease = next((x for x in facts.status.leases if x.claimant == claimant), None)
     if lease is None:
         sentences.append(f"{claimant} holds no lease.")
@@ -91,7 +177,7 @@ def explain_claimant(claimant: str, facts: Facts) -> list[str]:
     ]
     sentences += _last_trouble(about, facts, f"by {claimant}", claimant=claimant)
     sentences += _interrupted({claimant}, facts)
-    if lease is None and not about and len(sentences) == 1:
+    if lease is None and not about and len(sentences) == 1 + len(_went_back(facts)):
         sentences.append("Nothing about it is in the history either.")
     return sentences
 
@@ -209,16 +295,17 @@ def _interrupted(claimants: set[str], facts: Facts, only_token: str | None = Non
 
 
 def _when(moment: str | datetime, facts: Facts) -> str:
-    """An absolute local time, and how long ago it was."""
+    """The time as every output shows it (`human_time`), and how long ago it was."""
     if isinstance(moment, str):
-        text = moment
         try:
-            moment = datetime.fromisoformat(text)
+            when = datetime.fromisoformat(moment)
         except ValueError:
-            return text or "an unknown time"
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return f"{moment.astimezone():%Y-%m-%d %H:%M:%S} ({age(facts.now - moment)} ago)"
+            return moment or "an unknown time"
+    else:
+        when = moment
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return f"{human_time(when)} ({age(facts.now - when)} ago)"
 
 
 def age(delta: timedelta) -> str:

@@ -40,6 +40,10 @@ LOCK = "history.lock"
 MAX_BYTES = 1 << 20
 KEEP = 3
 LOCK_WAIT = 10.0  # an event is never worth hanging a hook for
+# How much of the newest history is read for the ledger generation it recorded last
+# (every claim or hook asks: a bounded read, never the whole log).
+TAIL_BYTES = 64 << 10
+_GENERATION = re.compile(rb'"generation": (\d+)')
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,28 @@ class HistoryLog:
 
     # -- reading ------------------------------------------------------------------
 
+    def highest_generation(self) -> int:
+        """The highest ledger generation the newest events recorded (0: none yet).
+
+        Every event carries the generation its process saw last, a value the ledger
+        really had then; a ledger never goes back, so one found below this was
+        deleted or replaced (`Arbiter` refuses to act on it until `recover`).  Only
+        the tail of the newest file that has any is read.  (A string value cannot
+        match: json.dumps escapes the quotes inside it.)"""
+        for path in reversed(self.files()):
+            try:
+                with path.open("rb") as handle:
+                    size = handle.seek(0, os.SEEK_END)
+                    handle.seek(max(0, size - TAIL_BYTES))
+                    tail = handle.read(TAIL_BYTES)
+            except OSError as error:
+                log.warning("cannot read %s: %s", path, error.strerror)
+                continue
+            found = [int(match) for match in _GENERATION.findall(tail)]
+            if found:
+                return max(found)
+        return 0
+
     def read(self) -> Reading:
         """Every record still kept, oldest first; torn lines become notes."""
         records: list[Record] = []
@@ -229,6 +255,49 @@ def interrupted(records: Sequence[Record], alive: Any = None) -> set[int]:
         for pid, index in last_of_pid.items()
         if records[index].kind in STEP_STARTS and not is_alive(pid)
     }
+
+
+@dataclass(frozen=True)
+class LastHolder:
+    """Who the history says holds a token exclusively, its claim never ended: what a
+    ledger that was lost (deleted, replaced) knew, and what its claim stopped."""
+
+    claimant: str
+    since: datetime
+    stopped: tuple[str, ...]  # holders it stopped that no later event shows started again
+
+
+def last_holder(records: Sequence[Record], token: str) -> LastHolder | None:
+    """The last exclusive claim on `token` that no release, restore, failure, adoption
+    or send-home ended, per the history; None when there is none (or no history).
+
+    Only what the events say: holders its claim stopped (`preempted`) and that no
+    `restored` brought back since.  Holders a preempted shared claimant had
+    stopped before moved into the lease without an event of their own; they are
+    not found here."""
+    found: LastHolder | None = None
+    for record in records:
+        claimant = record.get("claimant")
+        if record.kind == "claim" and token in record.tokens and record.get("mode") == "exclusive":
+            found = LastHolder(claimant, record.time, ())
+        elif record.kind == "adopted" and token in record.tokens:
+            stopped = tuple(h for h in record.get("stopped").split(", ") if h)
+            adopted = claimant and record.get("by") != "administrator"
+            found = LastHolder(claimant, record.time, stopped) if adopted else None
+        elif found is None:
+            continue
+        elif record.kind == "preempted" and claimant == found.claimant:
+            holder = record.get("holder")
+            if holder and holder not in found.stopped:
+                found = LastHolder(found.claimant, found.since, (*found.stopped, holder))
+        elif record.kind == "restored" and record.get("holder") in found.stopped:
+            kept = tuple(h for h in found.stopped if h != record.get("holder"))
+            found = LastHolder(found.claimant, found.since, kept)
+        elif (record.kind in ("release", "restore", "failed") and claimant == found.claimant) or (
+            record.kind == "send-home" and token in record.tokens
+        ):
+            found = None
+    return found
 
 
 _RELATIVE = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw])")

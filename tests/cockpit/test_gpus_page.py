@@ -217,7 +217,10 @@ def test_preview_of_a_vm_start_by_keyboard(make_sim, cockpit_for, browser):
     plan = browser.wait_text("#plan-result", "Claiming gpu0 (exclusive): libvirt:win11 can claim")
     assert "container:llm (stop" in plan
     assert "0000:0a:00.1" in plan and "snd_hda_intel" in plan
-    assert "When win11 stops, container:llm would be started again." in plan
+    # (ollama, on the home driver, ran beside llm's shared use: the claim stops it too.)
+    assert (
+        "When win11 stops, systemd:ollama.service and container:llm would be started again." in plan
+    )
     browser.screenshot("gpus-plan-preview")
     # gpu1's display manager is not preemptible: the refusal, as `plan --json` says it.
     expected = json.loads(sim.cli("plan", "--json", "--exclusive", "libvirt:win11", "gpu1").stdout)

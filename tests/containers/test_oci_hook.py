@@ -13,8 +13,11 @@ from pathlib import Path
 
 import pytest
 from invariants import HostFacts, assert_invariants
+from simhosts import holder
 
 from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import Claimant
+from charly_arbiter.host.sim import SimHost
 from tests.containers.conftest import PREFIX, Podman
 
 pytestmark = [pytest.mark.slow, pytest.mark.podman]
@@ -150,30 +153,40 @@ def test_the_name_annotation_names_the_claimant(pm: Podman) -> None:
 
 
 def test_a_stop_never_waits_for_the_holders_its_release_brings_back(pm: Podman) -> None:
-    """The container's claim, the GPU's first, stopped a listed holder whose `ready`
-    takes seconds: its release at stop hands that to a detached process, and
-    `podman stop` returns without waiting."""
+    """The container's claim, the GPU's first, stopped a VM that had gpu0 passed
+    through (simulated: what a shared claim stops, since a unit or a container on the
+    home driver stays beside it), whose `ready` takes seconds: the container's release
+    at stop hands that to a detached process, and `podman stop` returns without
+    waiting."""
     pm.configure(
         """
 [[holders]]
-kind = "container"
-name = "ca-test-batch"
+kind = "libvirt"
+name = "ca-test-vm"
 tokens = ["gpu0"]
 preemptible = true
 ready = ["/bin/sh", "-c", "sleep 4"]
 """
     )
-    pm.run("batch")  # no GPU node: a holder of gpu0 because arbiter.toml says so
-    pm.run("first", gpu="gpu0")
-    assert pm.state("batch") == "exited"
-    assert pm.leases()["container:ca-test-first"]["stopped"] == ["container:ca-test-batch"]
-    started = time.monotonic()
-    pm.podman("stop", PREFIX + "first")
-    assert time.monotonic() - started < 4, "podman stop waited for the holder's ready command"
-    pm.wait_for("the holder to run again", lambda: pm.state("batch") == "running")
-    pm.wait_for("the release to finish", lambda: pm.leases() == {}, timeout=60)
-    pm.settle()
-    check_invariants(pm, "ca-test-batch")
+    host_toml = pm.sim_dir / "host.toml"
+    plain = host_toml.read_text()
+    host_toml.write_text(plain + "\n" + holder("libvirt", "ca-test-vm", ["gpu0"], preemptible=True))
+    try:
+        pm.run("first", gpu="gpu0")
+        assert not SimHost(pm.sim_dir).is_running(Claimant.parse("libvirt:ca-test-vm"))
+        assert pm.leases()["container:ca-test-first"]["stopped"] == ["libvirt:ca-test-vm"]
+        started = time.monotonic()
+        pm.podman("stop", PREFIX + "first")
+        assert time.monotonic() - started < 4, "podman stop waited for the holder's ready command"
+        pm.wait_for(
+            "the holder to run again",
+            lambda: SimHost(pm.sim_dir).is_running(Claimant.parse("libvirt:ca-test-vm")),
+        )
+        pm.wait_for("the release to finish", lambda: pm.leases() == {}, timeout=60)
+        pm.settle()
+        check_invariants(pm)
+    finally:
+        host_toml.write_text(plain)
 
 
 def test_the_docker_runtime_wrapper_claims_without_hooks_d(pm: Podman, tmp_path: Path) -> None:

@@ -84,13 +84,23 @@ def test_status_json_is_the_only_thing_on_stdout(sim):
     assert "container:llm" in human.stdout and "gpu0" in human.stdout
 
 
-def test_status_of_a_fresh_host_has_every_token_idle(sim):
+def test_status_of_a_fresh_host_says_what_runs_on_each_token(sim):
+    """gpu0's holders may be stopped for a claim: idle.  gpu1's display manager may not:
+    in use (issue 17: a token whose holder is not preemptible is not idle)."""
     document = sim.status()
     assert document["leases"] == [] and document["stranded"] == []
     assert {name: token["mode"] for name, token in document["tokens"].items()} == {
         "gpu0": "idle",
-        "gpu1": "idle",
+        "gpu1": "in-use",
     }
+    human = sim.cli("status", check=True).stdout
+    assert (
+        "used by systemd:display-manager.service without a lease "
+        "(not preemptible: exclusive claims are refused)"
+    ) in human
+    assert "used by container:llm without a lease (preemptible: an exclusive claim stops it)" in (
+        human
+    )
 
 
 @pytest.mark.parametrize(

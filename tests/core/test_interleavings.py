@@ -11,10 +11,13 @@ exploring would fail.
 
 from __future__ import annotations
 
+import tomllib
+
 import pytest
-from coretools import ALL_PREEMPTIBLE, HOLDER_REFS, HOME, TOKEN_FUNCTIONS
+from coretools import ALL_PREEMPTIBLE, HOME, TOKEN_FUNCTIONS
 from interleave import Outcome, World, errors_of, explore
 from invariants import assert_converged, assert_invariants, sim_facts
+from simhosts import holder
 
 from charly_arbiter.core.model import VFIO, LeaseState, Mode
 from charly_arbiter.errors import ClaimRefused, LeaseInProgress
@@ -39,9 +42,11 @@ CLAIMANTS = ("libvirt:a", "libvirt:b", "container:s", "container:t")
 EXPECTED_FAILURES = (ClaimRefused, LeaseInProgress)
 
 
-def start_with(world: World, *steps: tuple[str, str, Mode, tuple[str, ...]]) -> None:
+def start_with(
+    world: World, *steps: tuple[str, str, Mode, tuple[str, ...]], host: str = ALL_PREEMPTIBLE
+) -> None:
     world.root.chmod(0o700)
-    (world.sim_dir / "host.toml").write_text(ALL_PREEMPTIBLE)
+    (world.sim_dir / "host.toml").write_text(host)
     world.config_path.write_text(CONFIG.format(root=world.root))
     for action, claimant, mode, tokens in steps:
         arbiter = world.arbiter(1)
@@ -52,12 +57,27 @@ def start_with(world: World, *steps: tuple[str, str, Mode, tuple[str, ...]]) -> 
             arbiter.release_claimant(claimant, force=True)
 
 
+def holder_refs(world: World) -> tuple[str, ...]:
+    """Every holder of the world's host.toml: each runs unless a lease stopped it."""
+    with (world.sim_dir / "host.toml").open("rb") as handle:
+        listed = tomllib.load(handle).get("holders", [])
+    return tuple(f"{item['kind']}:{item['name']}" for item in listed)
+
+
 def facts(world: World):
-    return sim_facts(world.host().snapshot(), TOKEN_FUNCTIONS, HOLDER_REFS)
+    return sim_facts(world.host().snapshot(), TOKEN_FUNCTIONS, holder_refs(world))
 
 
 def check(world: World, where: str) -> None:
-    assert_invariants(world.ledger().read(), facts(world), where)
+    state = world.ledger().read()
+    assert_invariants(state, facts(world), where)
+    # Sharing is use on the home driver: a shared lease stops (and records) only what
+    # has the GPU passed through, never a unit or a container that can stay beside it.
+    passthrough = {ref for ref in holder_refs(world) if ref.startswith("libvirt:")}
+    for lease in state.leases:
+        if lease.mode is Mode.SHARED:
+            kept = {r.holder for r in lease.unrestored()} - passthrough
+            assert not kept, f"{where}: the shared lease of {lease.claimant} stopped {kept}"
 
 
 def converge(outcome: Outcome) -> None:
@@ -73,7 +93,7 @@ def converge(outcome: Outcome) -> None:
         if not world.ledger().read().leases:
             break
     state = world.ledger().read()
-    assert_converged(state, facts(world), HOME, HOLDER_REFS)
+    assert_converged(state, facts(world), HOME, holder_refs(world))
     before = (
         world.ledger().path.read_bytes(),
         host.snapshot()["drivers"],
@@ -286,6 +306,34 @@ def test_shared_claims_and_an_exclusive_claim_over_two_gpus():
         ],
         preemptions=1,
         floor=50,
+    )
+
+
+def test_a_shared_claim_stops_only_the_vm_that_has_the_gpu_passed_through():
+    """gpu1 runs a display manager (a unit on the home driver, preemptible here) and a
+    VM that has gpu1 passed through.  The first shared claim stops the VM only; an
+    exclusive claim stops both, or waits; whatever the order, kill -9 anywhere, the
+    shared lease never records the unit, and `restore` brings both back."""
+    vm_host = ALL_PREEMPTIBLE + "\n" + holder("libvirt", "vm", ["gpu1"], preemptible=True)
+
+    def finish(outcome: Outcome) -> None:
+        running = outcome.world.host().snapshot()["running"]
+        lease = outcome.world.ledger().read().lease_of("container:t")
+        if lease is not None and lease.state is LeaseState.ACTIVE:
+            # t shares gpu1 (a was refused, or never got it): the unit runs beside it.
+            assert running["systemd:display-manager.service"], outcome.choices
+            assert not running["libvirt:vm"], outcome.choices
+
+    run(
+        lambda w: start_with(w, host=vm_host),
+        [
+            ("t", acquire("container:t", Mode.SHARED, "gpu1")),
+            ("a", acquire("libvirt:a", Mode.EXCLUSIVE, "gpu1")),
+        ],
+        preemptions=1,
+        crash=True,
+        floor=20,
+        finish=finish,
     )
 
 

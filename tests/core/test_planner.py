@@ -18,9 +18,10 @@ from charly_arbiter.core.model import (
     Poison,
     StepState,
     StoppedHolder,
+    human_time,
 )
-from charly_arbiter.core.planner import Policy, blocks_token, decide_claim, home_map
-from charly_arbiter.errors import ClaimRefused, TokenPoisoned
+from charly_arbiter.core.planner import Policy, blocks_token, decide_claim, home_map, unaccounted
+from charly_arbiter.errors import ClaimRefused, TokenPoisoned, TokenUnaccounted
 
 GPU0 = "0000:0a:00.0"
 AUDIO0 = "0000:0a:00.1"
@@ -71,9 +72,11 @@ def test_exclusive_stops_running_preemptible_holders_and_switches_every_function
 
 
 def test_exclusive_ignores_holders_that_do_not_run_and_functions_already_on_vfio():
+    """(On vfio-pci with no lease, as the administrator keeps it: its home is vfio-pci.)"""
     stopped_llm = Holder("container:llm", ("gpu0",), preemptible=False, running=False)
+    admin = EMPTY.with_home("gpu0", {GPU0: VFIO, AUDIO0: VFIO})
     plan = decide_claim(
-        EMPTY, "libvirt:win11", Mode.EXCLUSIVE, [token(drivers=(VFIO, VFIO))], [stopped_llm], NONE
+        admin, "libvirt:win11", Mode.EXCLUSIVE, [token(drivers=(VFIO, VFIO))], [stopped_llm], NONE
     )
     assert plan.stops == () and plan.switches == ()
 
@@ -122,17 +125,28 @@ def test_exclusive_waits_for_a_shared_lease_still_being_acquired():
         decide_claim(state, "libvirt:win11", Mode.EXCLUSIVE, [token()], [], NONE)
 
 
-def test_first_shared_claim_goes_home_stops_preemptible_holders_and_regenerates_cdi():
+def test_first_shared_claim_goes_home_stops_only_passthrough_holders_and_regenerates_cdi():
+    """Sharing is use on the home driver: ollama (a unit on nvidia) stays beside it; a
+    VM that has the GPU passed through cannot, and is stopped."""
     state = EMPTY.with_home("gpu0", {GPU0: "nvidia", AUDIO0: "snd_hda_intel"})
+    vm = Holder("libvirt:vm", ("gpu0",), preemptible=True, running=True, passthrough=True)
     plan = decide_claim(
-        state, "container:llm", Mode.SHARED, [token(drivers=(VFIO, VFIO))], [LLM, OLLAMA], NONE
+        state,
+        "container:llm",
+        Mode.SHARED,
+        [token(drivers=("nouveau", "snd_hda_intel"))],
+        [LLM, OLLAMA, vm],
+        NONE,
     )
-    assert [step.holder for step in plan.stops] == ["systemd:ollama.service"]
-    assert {(s.address, s.to_driver) for s in plan.switches} == {
-        (GPU0, "nvidia"),
-        (AUDIO0, "snd_hda_intel"),
-    }
+    assert [step.holder for step in plan.stops] == ["libvirt:vm"]
+    assert {(s.address, s.to_driver) for s in plan.switches} == {(GPU0, "nvidia")}
     assert plan.cdi_tokens == ("gpu0",)
+
+
+def test_a_shared_claim_is_refused_beside_a_passthrough_holder_that_may_not_stop():
+    rigid = Holder("libvirt:vm", ("gpu0",), preemptible=False, running=True, passthrough=True)
+    with pytest.raises(ClaimRefused, match=r"libvirt:vm.*not preemptible"):
+        decide_claim(EMPTY, "container:llm", Mode.SHARED, [token()], [rigid], NONE)
 
 
 def test_later_shared_claims_only_count():
@@ -207,6 +221,72 @@ def test_policy_can_refuse_preemptible_kinds():
     assert refused.value.hint == "stop container:llm yourself"
 
 
+def test_a_function_held_under_another_token_name_is_never_claimed_again():
+    """Tokens that overlap (the catalogue refuses them; this is the planner's own check,
+    by address): gpu0 is held exclusively, the same group under another name, or only
+    its audio function as a token of its own, is refused in either mode."""
+    held = EMPTY.with_lease(lease("libvirt:win11", Mode.EXCLUSIVE, "gpu0"))
+    coverage = {"gpu0": (GPU0, AUDIO0), "alias": (GPU0, AUDIO0), "audio": (AUDIO0,)}
+    audio_only = TokenSpec("audio", AUDIO0, token().functions)
+    for spec in (replace(token(), name="alias"), audio_only):
+        for mode in Mode:
+            with pytest.raises(ClaimRefused) as refused:
+                decide_claim(held, "container:x", mode, [spec], [], NONE, coverage=coverage)
+            assert "also part of token gpu0, which is held by libvirt:win11" in str(refused.value)
+            assert "tokens must not overlap" in str(refused.value)
+    # A lease on a token that has left the configuration: its recorded homes say which
+    # functions it had.
+    gone = held.with_home("gpu0", {GPU0: "nvidia", AUDIO0: "snd_hda_intel"})
+    with pytest.raises(ClaimRefused, match="also part of token gpu0"):
+        decide_claim(gone, "container:x", Mode.SHARED, [audio_only], [], NONE, coverage={})
+    # A token that shares nothing with it is claimed as before.
+    gpu1 = token("gpu1", ("nvidia",))
+    plan = decide_claim(held, "container:x", Mode.SHARED, [gpu1], [], NONE, coverage=coverage)
+    assert plan.tokens == ("gpu1",)
+
+
+def test_a_token_on_vfio_that_nothing_accounts_for_is_refused_with_what_to_do():
+    """On vfio-pci with no lease and no poison (the ledger was deleted or replaced while
+    it was passed through): every claim is refused until an operator decides."""
+    lost = token(drivers=(VFIO, VFIO))
+    assert unaccounted(EMPTY, lost) == (GPU0, AUDIO0)
+    for mode in Mode:
+        with pytest.raises(TokenUnaccounted) as refused:
+            decide_claim(EMPTY, "libvirt:win11", mode, [lost], [], NONE)
+        assert refused.value.exit_code == 3
+        assert f"{GPU0}, {AUDIO0} on vfio-pci" in str(refused.value)
+        hint = refused.value.hint or ""
+        assert "`charly-arbiter adopt gpu0 KIND:NAME`" in hint
+        assert "`charly-arbiter adopt --admin gpu0`" in hint
+        assert "`charly-arbiter send-home gpu0`" in hint
+    # What accounts for it: an exclusive lease in any state, a poison, or a home of
+    # vfio-pci recorded by `adopt --admin`.
+    releasing = lease("libvirt:a", Mode.EXCLUSIVE, state=LeaseState.RELEASING)
+    assert unaccounted(EMPTY.with_lease(releasing), lost) == ()
+    assert unaccounted(EMPTY.with_poison("gpu0", Poison("hung", "t")), lost) == ()
+    assert unaccounted(EMPTY.with_home("gpu0", {GPU0: VFIO, AUDIO0: VFIO}), lost) == ()
+    # A shared lease does not: shared means on the home driver.
+    assert unaccounted(EMPTY.with_lease(lease("container:s", Mode.SHARED)), lost) == (
+        GPU0,
+        AUDIO0,
+    )
+
+
+def test_refusals_say_times_as_every_other_output_does_and_mind_their_articles():
+    state = EMPTY.with_lease(lease("libvirt:win11", Mode.EXCLUSIVE))
+    with pytest.raises(ClaimRefused) as refused:
+        decide_claim(state, "libvirt:other", Mode.EXCLUSIVE, [token()], [], NONE)
+    assert f"since {human_time('2026-01-01T00:00:00+00:00')}" in str(refused.value)
+    assert "T00:00:00" not in str(refused.value)
+    with pytest.raises(ClaimRefused) as refused:
+        decide_claim(state, "libvirt:win11", Mode.SHARED, [token()], [], NONE)
+    assert "already holds an exclusive lease" in str(refused.value)
+    poisoned = EMPTY.with_poison("gpu0", Poison("unbind hung", "2026-01-01T00:00:00+00:00"))
+    with pytest.raises(TokenPoisoned) as refused:
+        decide_claim(poisoned, "libvirt:win11", Mode.SHARED, [token()], [], NONE)
+    assert f"poisoned since {human_time('2026-01-01T00:00:00+00:00')}" in str(refused.value)
+
+
 def test_home_is_recorded_first_never_vfio_and_falls_back_to_configuration():
     recorded = EMPTY.with_home("gpu0", {GPU0: "nouveau"})
     assert home_map(recorded, token()) == {GPU0: "nouveau", AUDIO0: "snd_hda_intel"}
@@ -234,15 +314,36 @@ EXISTING = {
             "gpu0", StepState.DONE
         ),
     ),
+    # Leases on tokens with other names whose functions are gpu0's (a configuration
+    # whose overlap the catalogue did not catch): the whole group, or its audio only.
+    "alias-exclusive": (lease("libvirt:x", Mode.EXCLUSIVE, "gpu0-again"),),
+    "alias-shared": (lease("container:s", Mode.SHARED, "gpu0-again"),),
+    "audio-exclusive": (lease("libvirt:x", Mode.EXCLUSIVE, "gpu0-audio"),),
 }
+# The catalogue's token -> addresses: gpu0's functions under two more names.
+COVERAGE = {
+    "gpu0": (GPU0, AUDIO0),
+    "gpu0-again": (GPU0, AUDIO0),
+    "gpu0-audio": (AUDIO0,),
+    "gpu1": (GPU1,),
+}
+VM = "libvirt:vm"
 HOLDER_KINDS = {
     "none": (),
     "preemptible-running": (LLM,),
     "preemptible-stopped": (Holder("container:llm", ("gpu0",), True, False),),
     "fixed-running": (Holder("systemd:gdm.service", ("gpu0",), False, True),),
     "fixed-stopped": (Holder("systemd:gdm.service", ("gpu0",), False, False),),
+    # A VM that has the GPU passed through: nothing shares the GPU beside it.
+    "passthrough-running": (Holder(VM, ("gpu0",), True, True, passthrough=True),),
+    "passthrough-fixed-running": (Holder(VM, ("gpu0",), False, True, passthrough=True),),
 }
 DRIVERS = {"home": ("nvidia", "snd_hda_intel"), "vfio": (VFIO, VFIO), "mixed": (VFIO, None)}
+# What the ledger records as gpu0's home: its drivers, or vfio-pci (`adopt --admin`).
+HOMES = {
+    "recorded": {GPU0: "nvidia", AUDIO0: "snd_hda_intel"},
+    "admin": {GPU0: VFIO, AUDIO0: VFIO},
+}
 
 
 def test_a_claim_waits_rather_than_stop_a_holder_a_release_is_starting_again():
@@ -262,45 +363,79 @@ def test_a_claim_waits_rather_than_stop_a_holder_a_release_is_starting_again():
         decide_claim(state, "libvirt:b", Mode.EXCLUSIVE, [gpu1], [], frozenset({"libvirt:a"}))
     assert not refused.value.retry and "restore --stranded" in (refused.value.hint or "")
 
-    as_holder = Holder("container:s", ("gpu1",), preemptible=True, running=True)
-    alone = LedgerState(leases=(releasing,))
+    # A shared claim stops only a holder that has the GPU passed through: a VM (a
+    # vGPU one preempted on gpu0, which has gpu1 passed through as well).
+    vm_starting = StoppedHolder("libvirt:v", StepState.STARTING, ("gpu0",), tokens=("gpu0",))
+    as_holder = Holder("libvirt:v", ("gpu1",), preemptible=True, running=True, passthrough=True)
+    alone = LedgerState(leases=(releasing.with_stopped(vm_starting),))
     with pytest.raises(ClaimRefused, match="being started again"):
         decide_claim(alone, "container:t", Mode.SHARED, [gpu1], [as_holder], NONE)
-    # Once it runs (the record restored), the same claims go ahead and stop it.
-    done = alone.with_lease(releasing.with_stopped(replace(starting, restored=True)))
+    # Once it runs (the record restored), the same claim goes ahead and stops it.
+    done = alone.with_lease(releasing.with_stopped(replace(vm_starting, restored=True)))
     plan = decide_claim(done, "container:t", Mode.SHARED, [gpu1], [as_holder], NONE)
-    assert [step.holder for step in plan.stops] == ["container:s"]
+    assert [step.holder for step in plan.stops] == ["libvirt:v"]
 
 
 @pytest.mark.parametrize("existing", sorted(EXISTING))
 @pytest.mark.parametrize("holders", sorted(HOLDER_KINDS))
 @pytest.mark.parametrize("drivers", sorted(DRIVERS))
+@pytest.mark.parametrize("home", sorted(HOMES))
 @pytest.mark.parametrize("mode", list(Mode))
-def test_every_state_pair_obeys_the_rules(existing, holders, drivers, mode):
-    """Exhaustive over (existing lease, holder, drivers, requested mode)."""
-    state = EMPTY.with_home("gpu0", {GPU0: "nvidia", AUDIO0: "snd_hda_intel"})
+def test_every_state_pair_obeys_the_rules(existing, holders, drivers, home, mode):
+    """Exhaustive over (existing lease, holder, drivers, recorded home, requested mode).
+
+    The rules, written out here rather than read back from the planner: a claim is
+    refused exactly when one of these reasons holds, and a granted claim does what
+    its mode says."""
+    state = EMPTY.with_home("gpu0", HOMES[home])
     for item in EXISTING[existing]:
         state = state.with_lease(item)
     spec = token(drivers=DRIVERS[drivers])
+    running = [h for h in HOLDER_KINDS[holders] if h.running]
     blocking = [item for item in state.leases if blocks_token(item, "gpu0")]
+    on_vfio = any(f.driver == VFIO for f in spec.functions)
+    reasons = set()
+    # I1 by address: a function covered by another token's lease is never claimed.
+    if any(
+        set(COVERAGE[name]) & {GPU0, AUDIO0}
+        for item in state.leases
+        for name in item.tokens
+        if name != "gpu0" and blocks_token(item, name)
+    ):
+        reasons.add("overlap")
+    # I2: on vfio-pci only under an exclusive lease (any state) or a home of vfio-pci.
+    exclusive_listed = any(
+        item.mode is Mode.EXCLUSIVE and "gpu0" in item.tokens for item in state.leases
+    )
+    if on_vfio and not exclusive_listed and home != "admin":
+        reasons.add("unaccounted")
+    if any(item.mode is Mode.EXCLUSIVE for item in blocking):
+        reasons.add("held exclusively")
+    if mode is Mode.EXCLUSIVE:
+        if any(not h.preemptible for h in running):
+            reasons.add("not preemptible")
+        if any(item.state is not LeaseState.ACTIVE for item in blocking):
+            reasons.add("in progress")
+    elif not blocking:
+        # The first shared claim: what has the GPU passed through cannot stay beside
+        # it, and a GPU whose home is vfio-pci is not shared at all.
+        if any(h.passthrough and not h.preemptible for h in running):
+            reasons.add("passthrough holder")
+        if home == "admin":
+            reasons.add("home is vfio-pci")
     try:
-        plan = decide_claim(state, "libvirt:me", mode, [spec], HOLDER_KINDS[holders], NONE)
+        plan = decide_claim(
+            state, "libvirt:me", mode, [spec], HOLDER_KINDS[holders], NONE, coverage=COVERAGE
+        )
     except ClaimRefused as refused:
         assert refused.exit_code == 3 and refused.claimant == "libvirt:me"
-        assert (
-            any(item.mode is Mode.EXCLUSIVE for item in blocking)
-            or (mode is Mode.EXCLUSIVE and holders == "fixed-running")
-            or (mode is Mode.EXCLUSIVE and any(i.state is not LeaseState.ACTIVE for i in blocking))
-        ), (existing, holders, drivers, mode, refused)
+        assert reasons, (existing, holders, drivers, home, mode, refused)
         return
-    # Never alongside an exclusive lease that still holds the token.
-    assert not any(item.mode is Mode.EXCLUSIVE for item in blocking)
+    assert not reasons, (existing, holders, drivers, home, mode, reasons)
     stopped = {step.holder for step in plan.stops}
     if mode is Mode.EXCLUSIVE:
-        # A running holder that may not be stopped refuses the claim...
-        assert not any(h.running and not h.preemptible for h in HOLDER_KINDS[holders])
-        # ...every other running holder and every shared claimant makes room...
-        assert all(h.ref in stopped for h in HOLDER_KINDS[holders] if h.running)
+        # Every running holder and every shared claimant makes room...
+        assert all(h.ref in stopped for h in running)
         assert set(plan.preempted_leases) == {item.claimant for item in blocking}
         # ...and every function not yet on vfio-pci goes there.
         assert {s.address for s in plan.switches} == {
@@ -311,12 +446,10 @@ def test_every_state_pair_obeys_the_rules(existing, holders, drivers, mode):
         # A later shared claim only counts.
         assert plan.stops == () and plan.switches == () and plan.cdi_tokens == ()
     else:
-        # The first shared claim brings every function home and stops
-        # preemptible holders, never a fixed one.
+        # The first shared claim brings every function home and stops only what has
+        # the GPU passed through: a unit or a container on the home driver stays.
         assert {s.address for s in plan.switches} == {
-            f.address
-            for f in spec.functions
-            if f.driver != {GPU0: "nvidia", AUDIO0: "snd_hda_intel"}[f.address]
+            f.address for f in spec.functions if f.driver != HOMES["recorded"][f.address]
         }
-        assert stopped == {h.ref for h in HOLDER_KINDS[holders] if h.running and h.preemptible}
+        assert stopped == {h.ref for h in running if h.passthrough}
         assert plan.cdi_tokens == ("gpu0",)

@@ -15,10 +15,12 @@ from coretools import (
     HOME,
     REPO,
     assert_converged,
+    bind_by_hand,
     host_state,
     host_toml,
     ledger_bytes,
 )
+from simhosts import holder
 
 from charly_arbiter.core.model import VFIO, LeaseState, Mode, StepState
 from charly_arbiter.errors import ClaimRefused, HolderError, SwitchFailed, TokenPoisoned
@@ -35,12 +37,21 @@ def running(sim, ref):
     return sim.host().is_running(ref)
 
 
+def with_vms(host: str, *tokens: str) -> str:
+    """The host with a VM that has each token passed through (libvirt:vm-gpu0, ...):
+    the holders a shared claim stops, unlike the units and containers on the home driver."""
+    return host + "".join(
+        "\n" + holder("libvirt", f"vm-{token}", [token], preemptible=True) for token in tokens
+    )
+
+
 def test_exclusive_preempts_preemptible_holders_and_shared_claimants(sim):
     arbiter = sim.arbiter()
     arbiter.acquire("container:llm", SHARED, ["gpu0"])
-    assert not running(sim, "systemd:ollama.service")  # the first shared claim stopped it
+    # A unit on the home driver stays beside a shared use.
+    assert running(sim, "systemd:ollama.service")
     plan = arbiter.acquire("libvirt:win11", EXCL, ["gpu0"])
-    assert [step.holder for step in plan.stops] == ["container:llm"]
+    assert {step.holder for step in plan.stops} == {"container:llm", "systemd:ollama.service"}
     assert drivers(sim, "0000:0a:00.0", "0000:0a:00.1") == [VFIO, VFIO]
     assert not running(sim, "container:llm")
     state = arbiter.ledger.read()
@@ -67,16 +78,19 @@ def test_two_exclusive_leases_on_a_token_are_refused(sim):
     assert [lease.claimant for lease in arbiter.ledger.read().leases] == ["libvirt:a"]
 
 
-def test_shared_refcount_first_switches_home_later_only_count(sim):
+def test_shared_refcount_first_switches_home_later_only_count(make_sim):
+    sim = make_sim(with_vms(host_toml(), "gpu0"))
     arbiter = sim.arbiter()
     arbiter.acquire("libvirt:a", EXCL, ["gpu0"])
     sim.stopped("libvirt:a")
     arbiter.release_claimant("libvirt:a")
-    # Put the GPU on vfio-pci with no lease, as a crashed tool would leave it.
-    sim.host().switch(arbiter.tokens.all()["gpu0"], {"0000:0a:00.0": VFIO, "0000:0a:00.1": VFIO})
+    # Bind the GPU to another driver by hand (its recorded home is nvidia).
+    bind_by_hand(sim.sim_dir, {"0000:0a:00.0": "nouveau"})
     cdi_before = sim.host().snapshot()["cdi_generations"]
     first = arbiter.acquire("container:one", SHARED, ["gpu0"])
-    assert {s.holder for s in first.stops} == {"container:llm", "systemd:ollama.service"}
+    # Only the VM, which has the GPU passed through, makes room.
+    assert {s.holder for s in first.stops} == {"libvirt:vm-gpu0"}
+    assert running(sim, "container:llm") and running(sim, "systemd:ollama.service")
     assert drivers(sim, "0000:0a:00.0", "0000:0a:00.1") == ["nvidia", "snd_hda_intel"]
     assert sim.host().snapshot()["cdi_generations"] == cdi_before + 1
     log_before = sim.host().snapshot()["log"]
@@ -87,8 +101,13 @@ def test_shared_refcount_first_switches_home_later_only_count(sim):
 
 
 def test_a_gpu_found_on_vfio_with_no_home_is_refused_or_sent_to_its_default(make_sim):
-    """Issue 11: a shared claim used to be granted with the GPU left on no driver."""
+    """Issue 11: a shared claim used to be granted with the GPU left on no driver.
+
+    Found on vfio-pci with no lease, it is refused until an operator decides (issue
+    17); sent home, it goes to the driver this host would bind it to, or to none."""
     from simhosts import audio, gpu, host
+
+    from charly_arbiter.errors import TokenUnaccounted
 
     for default, outcome in (("", "refused"), ('default_driver = "nouveau"', "nouveau")):
         sim = make_sim(
@@ -100,12 +119,17 @@ def test_a_gpu_found_on_vfio_with_no_home_is_refused_or_sent_to_its_default(make
             name=f"sim-{outcome}",
         )
         arbiter = sim.arbiter()
+        with pytest.raises(TokenUnaccounted):
+            arbiter.acquire("container:one", SHARED, ["gpu0"])
+        sent = sim.cli("send-home", "gpu0")
+        assert sent.returncode == 0, sent.stderr
         if outcome == "refused":
+            assert drivers(sim, "0000:0a:00.0") == [""]  # no driver takes it
             with pytest.raises(
                 ClaimRefused, match=r"no driver on this host can take 0000:0a:00\.0"
             ):
                 arbiter.acquire("container:one", SHARED, ["gpu0"])
-            assert drivers(sim, "0000:0a:00.0") == [VFIO]
+            assert drivers(sim, "0000:0a:00.0") == [""]
         else:
             arbiter.acquire("container:one", SHARED, ["gpu0"])
             assert drivers(sim, "0000:0a:00.0") == ["nouveau"]
@@ -176,7 +200,8 @@ def test_release_failed_is_released_the_same_way(sim):
     assert_converged(sim)
 
 
-def test_last_shared_release_restores_what_the_first_stopped(sim):
+def test_last_shared_release_restores_what_the_first_stopped(make_sim):
+    sim = make_sim(with_vms(host_toml(), "gpu0"))
     arbiter = sim.arbiter()
     arbiter.acquire("container:a", SHARED, ["gpu0"])
     arbiter.acquire("container:b", SHARED, ["gpu0"])
@@ -184,29 +209,32 @@ def test_last_shared_release_restores_what_the_first_stopped(sim):
     arbiter.release_claimant("container:a")  # hands what it stopped to container:b
     (lease,) = arbiter.ledger.read().leases
     assert lease.claimant == "container:b"
-    assert {r.holder for r in lease.stopped} == {"container:llm", "systemd:ollama.service"}
-    assert not running(sim, "container:llm")
+    assert {r.holder for r in lease.stopped} == {"libvirt:vm-gpu0"}
+    assert not running(sim, "libvirt:vm-gpu0") and running(sim, "container:llm")
     sim.stopped("container:b")
     arbiter.release_claimant("container:b")
     assert_converged(sim)
+    assert running(sim, "libvirt:vm-gpu0")
 
 
 def test_shared_release_hands_over_only_what_the_remaining_lease_holds(make_sim):
-    sim = make_sim(host_toml(dm_preemptible=True))
+    sim = make_sim(with_vms(host_toml(dm_preemptible=True), "gpu0", "gpu1"))
     arbiter = sim.arbiter()
     arbiter.acquire("container:a", SHARED, ["gpu0", "gpu1"])
     arbiter.acquire("container:b", SHARED, ["gpu0"])
-    assert not running(sim, "systemd:display-manager.service")
+    assert not running(sim, "libvirt:vm-gpu1")
+    assert running(sim, "systemd:display-manager.service")  # on the home driver: it stays
     sim.stopped("container:a")
     arbiter.release_claimant("container:a")
-    # gpu1 is free now: its holder is back; gpu0's holders wait for container:b.
-    assert running(sim, "systemd:display-manager.service")
-    assert not running(sim, "container:llm")
+    # gpu1 is free now: its VM is back; gpu0's waits for container:b.
+    assert running(sim, "libvirt:vm-gpu1")
+    assert not running(sim, "libvirt:vm-gpu0")
     (lease,) = arbiter.ledger.read().leases
-    assert {r.holder for r in lease.stopped} == {"container:llm", "systemd:ollama.service"}
+    assert {r.holder for r in lease.stopped} == {"libvirt:vm-gpu0"}
     sim.stopped("container:b")
     arbiter.release_claimant("container:b")
     assert_converged(sim)
+    assert running(sim, "libvirt:vm-gpu0")
 
 
 def test_status_fields(sim):
@@ -223,13 +251,17 @@ def test_status_fields(sim):
         "tokens": ["gpu0"],
         "state": "active",
         "transient": True,
-        "stopped": ["systemd:ollama.service"],
+        "stopped": [],  # ollama, on the home driver, stays beside a shared use
     }
     assert status["tokens"]["gpu0"]["mode"] == "shared"
     assert status["tokens"]["gpu0"]["driver"] == "nvidia"
     assert status["tokens"]["gpu0"]["poisoned"] is False
     assert status["tokens"]["gpu0"]["reason"] == ""
-    assert status["tokens"]["gpu1"]["mode"] == "idle"
+    # Not idle: the display manager runs on it, and no claim may stop it.
+    assert status["tokens"]["gpu1"]["mode"] == "in-use"
+    assert status["tokens"]["gpu1"]["users"] == [
+        {"holder": "systemd:display-manager.service", "preemptible": False, "passthrough": False}
+    ]
     assert status["stranded"] == []
 
 

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from coretools import HOLDER_REFS, HOME, bind_by_hand, ledger_bytes
+from coretools import HOME, bind_by_hand, ledger_bytes
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -83,7 +83,11 @@ HOLDERS = {
     "container:llm": "gpu0",
     "systemd:ollama.service": "gpu0",
     "systemd:display-manager.service": "gpu1",
+    # A VM that has gpu1 passed through (the simulated host's default for a libvirt
+    # holder): unlike the others, it cannot stay beside a shared use either.
+    "libvirt:vm": "gpu1",
 }
+PASSTHROUGH = frozenset({"libvirt:vm"})
 REFS = (*HOLDERS, *CLAIMANTS)
 EVERY_CLAIMANT = (*CLAIMANTS, SHARER)
 TOKEN_FUNCTIONS = {"gpu0": ("0000:0a:00.0", "0000:0a:00.1"), "gpu1": ("0000:0b:00.0",)}
@@ -491,17 +495,25 @@ def decide(
             taken=tuple((name, record.holder) for name, record in taken),
             switches=tuple(token for token in tokens if token not in world.vfio),
         )
-    # A shared claim: the first on a token brings it home and makes room; a
-    # holder that is not preemptible stays beside it, and so does a claimant.
+    # A shared claim: the first on a token brings it home; whatever uses the GPU
+    # on its home driver (a unit, a container, a claimant) stays beside it, and
+    # only a holder that has it passed through makes room (or, not preemptible,
+    # refuses the claim).
     first = [t for t in tokens if not any(lease.holds(t) for lease in world.leases)]
     claimants = {lease.claimant for lease in world.leases}
-    stops = tuple(
-        Rec(ref, (HOLDERS[ref],))
+    passing = [
+        ref
         for ref in running
-        if HOLDERS[ref] in first and ref not in faults.rigid and ref not in claimants
-    )
-    if being_started(world, claimant, [stop.holder for stop in stops]):
-        return ("refused", frozenset({"starting"}))
+        if HOLDERS[ref] in first and ref in PASSTHROUGH and ref not in claimants
+    ]
+    reasons = set()
+    if any(ref in faults.rigid for ref in passing):
+        reasons.add("not-preemptible")
+    if being_started(world, claimant, passing):
+        reasons.add("starting")
+    if reasons:
+        return ("refused", frozenset(reasons))
+    stops = tuple(Rec(ref, (HOLDERS[ref],)) for ref in passing)
     return Plan(
         stops=stops,
         preempted=(),
@@ -1152,7 +1164,7 @@ class ArbiterMachine(RuleBasedStateMachine):
             if not self.view().leases:
                 break
         state = self.ledger.read()
-        assert_converged(state, self.facts(), HOME, HOLDER_REFS)
+        assert_converged(state, self.facts(), HOME, tuple(HOLDERS))
         before = (ledger_bytes(self.ledger.state_dir), self.host.snapshot())
         assert self.step("restore again", self.real_restore, model_restore) == ("restored", ())
         after = (ledger_bytes(self.ledger.state_dir), self.host.snapshot())

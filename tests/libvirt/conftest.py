@@ -60,12 +60,11 @@ PROGRAMS = {
 }
 INSTALLED = os.environ.get("CHARLY_ARBITER_E2E_INSTALLED") == "1"
 
-# PCI side simulated, libvirt domains real; gpu1 starts on vfio-pci (a shared
-# claim sends it home first).
+# PCI side simulated, libvirt domains real.
 HOST_TOML = host(
     gpu("0000:0a:00.0", group=12),
     audio("0000:0a:00.1", group=12),
-    gpu("0000:0b:00.0", group=13, model="2204", driver="vfio-pci"),
+    gpu("0000:0b:00.0", group=13, model="2204"),
     real_holders=["libvirt"],
 )
 

@@ -102,13 +102,28 @@ def test_second_exclusive_claimant_is_refused_and_its_release_touches_nothing(
 
 
 def test_shared_claims_are_refcounted_and_the_token_goes_home_once(lv: Libvirt) -> None:
-    """Scenario 3: gpu1 starts on vfio-pci; the first shared claim sends it home, once."""
+    """Scenario 3: gpu1 is found on vfio-pci with no lease (bound there by hand).
+    Nothing in the ledger says why (issue 17), so a VM's start on it fails closed
+    until an operator decides; sent home, it is shared, refcounted, and never moves
+    again."""
+    from charly_arbiter.core.host import TokenSpec
+    from charly_arbiter.host.sim import SimHost
+
     shared = claim("shared", ("gpu1",))
     one, two = lv.define("one", shared), lv.define("two", shared)
+    SimHost(lv.sim_dir).switch(TokenSpec("gpu1", "0000:0b:00.0", ()), {"0000:0b:00.0": "vfio-pci"})
+    before = len(lv.sim_state()["log"])
 
     def switches() -> list[str]:
-        return [line for line in lv.sim_state()["log"] if line.startswith("switch 0000:0b")]
+        log = lv.sim_state()["log"][before:]
+        return [line for line in log if line.startswith("switch 0000:0b")]
 
+    refused = lv.virsh("start", one, check=False)
+    assert refused.returncode != 0
+    assert "on vfio-pci, and no lease or poison in the ledger accounts for it" in refused.stderr
+    assert lv.running() == set() and switches() == []
+    sent = lv.cli("send-home", "gpu1")
+    assert sent.returncode == 0, sent.stderr
     lv.virsh("start", one)
     lv.virsh("start", two)
     assert lv.running() == {one, two}

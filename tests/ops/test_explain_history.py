@@ -9,6 +9,7 @@ import shlex
 import signal
 
 from opstools import assert_golden, normalise
+from simhosts import holder
 
 
 def test_after_a_refused_start_explain_names_the_holder_that_refused_it(sim):
@@ -18,7 +19,10 @@ def test_after_a_refused_start_explain_names_the_holder_that_refused_it(sim):
         text = sim.cli("explain", subject, check=True).stdout
         assert "refused" in text
         assert "systemd:display-manager.service, which is not preemptible" in text, text
-    assert "gpu1 (0000:0b:00.0) is idle: no lease holds it." in sim.cli("explain", "gpu1").stdout
+    # Not idle: what holds it is not preemptible, and says so (issue 17).
+    said = sim.cli("explain", "gpu1").stdout
+    assert "gpu1 (0000:0b:00.0) is in use, though no lease holds it" in said
+    assert "exclusive claims on it are refused while that runs" in said
 
 
 def test_after_kill_9_mid_claim_history_shows_the_step_and_explain_the_fix(sim):
@@ -138,6 +142,10 @@ def test_history_skips_a_torn_line_with_a_note(sim):
 
 
 def test_explain_a_shared_token_and_who_brings_its_holders_back(sim):
+    """A VM that has gpu0 passed through makes room for the first shared claim; the
+    units and containers that use gpu0 on its home driver stay beside it."""
+    host = (sim.sim_dir / "host.toml").read_text()
+    sim.set_host(host + "\n" + holder("libvirt", "vm", ["gpu0"], preemptible=True))
     sim.cli("acquire", "--shared", "container:a", "gpu0", check=True)
     sim.cli("acquire", "--shared", "container:b", "gpu0", check=True)
     lines = normalise(sim.cli("explain", "gpu0", check=True).stdout).splitlines()
@@ -145,7 +153,9 @@ def test_explain_a_shared_token_and_who_brings_its_holders_back(sim):
         "gpu0 (0000:0a:00.0) is shared by container:a since <TIME> (<AGE> ago) "
         "and container:b since <TIME> (<AGE> ago)."
     )
-    assert lines[2] == (
-        "For container:a, container:llm and systemd:ollama.service were stopped; "
-        "they will be started again when the last shared lease on gpu0 ends."
-    )
+    assert "It is also used by container:llm, which an exclusive claim stops." in lines
+    assert "It is also used by systemd:ollama.service, which an exclusive claim stops." in lines
+    assert (
+        "For container:a, libvirt:vm was stopped; "
+        "it will be started again when the last shared lease on gpu0 ends."
+    ) in lines
