@@ -50,6 +50,10 @@ _INTERRUPTED = (
     "converges it are printed; a switch cut short poisons its GPU"
 )
 _NO_SUBCOMMAND = "no subcommand, or one that does not exist"
+_CONTRADICTED = (
+    "the ledger went backwards against the history (`recover` first), or the GPU is on "
+    "vfio-pci with nothing in the ledger to account for it (`adopt` or `send-home` first)"
+)
 _NOT_SIM = "the host is not simulated"
 
 TABLE: dict[str, tuple[Exit, ...]] = {
@@ -73,7 +77,8 @@ TABLE: dict[str, tuple[Exit, ...]] = {
         Exit(
             EXIT_REFUSED,
             "refused: another lease holds the GPU, a holder that is not preemptible, a "
-            "poisoned GPU, a lease of this claimant still in progress or from an earlier boot",
+            "poisoned GPU, a lease of this claimant still in progress or from an earlier boot; "
+            + _CONTRADICTED,
         ),
     ),
     "release": (
@@ -86,7 +91,7 @@ TABLE: dict[str, tuple[Exit, ...]] = {
         Exit(
             EXIT_REFUSED,
             "the claimant still runs (without --force), or another live process is "
-            "acquiring or releasing its lease",
+            "acquiring or releasing its lease; the ledger went backwards against the history",
         ),
     ),
     "restore": (
@@ -96,7 +101,7 @@ TABLE: dict[str, tuple[Exit, ...]] = {
         Exit(
             EXIT_REFUSED,
             "a named claimant still runs (without --force), or another live process is "
-            "carrying out its lease",
+            "carrying out its lease; the ledger went backwards against the history",
         ),
     ),
     "poison": (Exit(EXIT_USAGE, _NO_SUBCOMMAND),),
@@ -108,6 +113,7 @@ TABLE: dict[str, tuple[Exit, ...]] = {
         Exit(EXIT_OK, "cleared, or the token was not poisoned"),
         Exit(EXIT_ERROR, f"the ledger is corrupt; {_STATE}"),
         Exit(EXIT_USAGE, "a token that is neither configured nor poisoned"),
+        Exit(EXIT_REFUSED, _CONTRADICTED),
     ),
     "sim": (Exit(EXIT_USAGE, _NO_SUBCOMMAND),),
     "sim init": (
@@ -177,6 +183,33 @@ TABLE: dict[str, tuple[Exit, ...]] = {
         Exit(
             EXIT_REFUSED,
             "--yes, but the backup cannot be used (and no --empty): nothing is written",
+        ),
+    ),
+    "adopt": (
+        Exit(
+            EXIT_OK, "KIND:NAME now holds the token exclusively, or (--admin) vfio-pci is its home"
+        ),
+        Exit(EXIT_ERROR, _STATE),
+        Exit(EXIT_USAGE, f"neither or both of KIND:NAME and --admin; {_NAMES}; {_TOKENS}"),
+        Exit(
+            EXIT_REFUSED,
+            "the token is not on vfio-pci without a lease (the ledger accounts for it), or "
+            "the ledger went backwards against the history (`recover` first)",
+        ),
+    ),
+    "send-home": (
+        Exit(
+            EXIT_OK, "the token went home, and what the history says was stopped for it came back"
+        ),
+        Exit(
+            EXIT_ERROR,
+            f"it did not go all the way home (the lease stays for `restore`); {_STATE}",
+        ),
+        Exit(EXIT_USAGE, _TOKENS),
+        Exit(
+            EXIT_REFUSED,
+            "the token is not on vfio-pci without a lease, the claimant the history says "
+            "holds it still runs (without --force), or the ledger went backwards",
         ),
     ),
     "attach": (

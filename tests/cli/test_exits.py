@@ -109,6 +109,7 @@ CASES = [
     C("poison clear", 0, ("poison", "clear", "gpu1"), says="is not poisoned"),
     C("poison clear", 1, ("poison", "clear", "gpu0"), "corrupt", "corrupt"),
     C("poison clear", 2, ("poison", "clear", "gpu9"), says="gpu0, gpu1"),
+    C("poison clear", 3, ("poison", "clear", "gpu0"), "unaccounted", "accounts for it"),
     C("sim", 2, ("sim",), says="Usage:"),
     C("sim init", 0, ("sim", "init", "{root}/new"), says="wrote"),
     C("sim init", 1, ("sim", "init", "{config}/under-a-file"), says="cannot use"),
@@ -149,6 +150,18 @@ CASES = [
     C("history", 2, ("history", "--since", "soon"), says="is not a time"),
     C("metrics", 0, ("metrics",), says="charly_arbiter_ledger_generation"),
     C("metrics", 1, ("metrics", "--output", "{config}/x.prom"), says="could not write"),
+    C("adopt", 0, ("adopt", "gpu0", "libvirt:win11"), "unaccounted", "now holds gpu0"),
+    C("adopt", 0, ("adopt", "--admin", "gpu0"), "unaccounted", "stays on vfio-pci"),
+    C("adopt", 1, ("adopt", "--admin", "gpu0"), "world_writable", "writable"),
+    C("adopt", 2, ("adopt", "gpu0"), says="KIND:NAME or --admin"),
+    C("adopt", 2, ("adopt", "gpu9", "libvirt:x"), says="gpu0, gpu1"),
+    C("adopt", 2, ("adopt", "gpu0", "libvirt:a/b"), "unaccounted", "'/'"),
+    C("adopt", 3, ("adopt", "--admin", "gpu1"), says="not on vfio-pci"),
+    C("send-home", 0, ("send-home", "gpu0"), "unaccounted", "sent gpu0 home"),
+    C("send-home", 1, ("send-home", "gpu0"), "world_writable", "writable"),
+    C("send-home", 1, ("send-home", "gpu0"), "unaccounted_failing", "did not go all the way"),
+    C("send-home", 2, ("send-home", "gpu9"), says="gpu0, gpu1"),
+    C("send-home", 3, ("send-home", "gpu1"), says="not on vfio-pci"),
     C("recover", 0, ("recover",), says="nothing to recover"),
     C("recover", 0, ("recover",), "corrupt", "nothing was written"),
     C("recover", 1, ("recover",), "world_writable", "writable"),
@@ -219,6 +232,22 @@ def _world_writable(sim: SimEnv) -> None:
 
 def _failing(sim: SimEnv) -> None:
     sim.set_host(default_host(gpu0="fail_switch = true"))
+
+
+def _unaccounted(sim: SimEnv) -> None:
+    """gpu0 on vfio-pci with no lease and no poison (a ledger deleted while it was
+    passed through, or a tool that bound it there)."""
+    sim.set_host(on_vfio(default_host()))
+
+
+def _unaccounted_failing(sim: SimEnv) -> None:
+    sim.set_host(on_vfio(default_host(gpu0="fail_switch = true")))
+
+
+def on_vfio(host: str) -> str:
+    """gpu0's GPU and audio functions (the first two devices) on vfio-pci."""
+    host = host.replace('driver = "nvidia"', 'driver = "vfio-pci"', 1)
+    return host.replace('driver = "snd_hda_intel"', 'driver = "vfio-pci"', 1)
 
 
 def _failing_start(sim: SimEnv) -> None:
@@ -321,6 +350,8 @@ SCENARIOS: dict[str, Callable[[SimEnv], Iterator[None] | None]] = {
     "world_writable": _world_writable,
     "failing": _failing,
     "failing_start": _failing_start,
+    "unaccounted": _unaccounted,
+    "unaccounted_failing": _unaccounted_failing,
     "in_progress": _in_progress,
     "lock_held": _lock_held,
     "read_only": _read_only,

@@ -28,6 +28,8 @@ def test_long_and_wide_names_keep_the_status_columns(hostile_sim: SimEnv, name: 
     header = table[head]
     mode_column = display_width(header[: header.index("MODE")])
     for line in table[head + 1 :]:
+        if line.lstrip().startswith("used by "):
+            break  # after the table: a holder that runs without a lease (container:llm)
         if "shared" not in line:
             assert line.lstrip().startswith("libvirt:"), line  # a wide cell on its own line
             continue

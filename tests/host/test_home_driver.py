@@ -1,10 +1,12 @@
-"""Issue 11: the home driver is always known.
+"""The home driver is always known.
 
 A GPU found on vfio-pci (bound there at boot, or left by a crashed tool) with no
-home recorded in the ledger or configured gets one from the data file, checked
-against the kernel's module index (`modules.alias`, here a small one written
-per test in the format depmod writes: it stands for /lib/modules/RELEASE); when
-nothing on the host can take it, a shared claim is refused with that reason.
+home recorded in the ledger or configured is nothing the ledger accounts for: no
+claim touches it until an operator settles it (issue 17).  `send-home` then
+sends it to a home from the data file, checked against the kernel's module index
+(`modules.alias`, here a small one written per test in the format depmod writes:
+it stands for /lib/modules/RELEASE); when nothing on the host can take it, a
+shared claim is refused with that reason.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from fakesys import FakeKernel
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import VFIO, Mode
-from charly_arbiter.errors import ClaimRefused
+from charly_arbiter.errors import ClaimRefused, TokenUnaccounted
 from charly_arbiter.host.kmod import KernelModules
 from charly_arbiter.host.local import LocalHost
 from charly_arbiter.host.pcidata import pci_data
+from charly_arbiter.ops.reconcile import send_home
 
 GPU = "0000:0a:00.0"
 AUDIO = "0000:0a:00.1"
@@ -94,11 +97,9 @@ def test_a_gpu_found_on_vfio_with_no_home_goes_to_the_driver_the_kernel_has(
     host = make_host(modules_root=modules_tree(tmp_path, nvidia=nvidia))
     strand_on_vfio(host, kernel)
     arbiter = Arbiter(host.config, host, Ledger(host.config.state_dir, 5))
-    plan = arbiter.acquire("container:llm", Mode.SHARED, ["gpu0"])
-    assert {s.address: s.to_driver for s in plan.switches} == {
-        GPU: expected,
-        AUDIO: "snd_hda_intel",
-    }
+    with pytest.raises(TokenUnaccounted):  # nothing claims it before the operator decides
+        arbiter.acquire("container:llm", Mode.SHARED, ["gpu0"])
+    send_home(arbiter, "gpu0", [])
     assert (kernel.driver_of(GPU), kernel.driver_of(AUDIO)) == (expected, "snd_hda_intel")
     assert expected in kernel.loaded  # loaded for the switch, as libvirt loads the stub
 
@@ -109,16 +110,20 @@ def test_a_gpu_no_driver_can_take_refuses_a_shared_claim_with_the_reason(
     host = make_host(modules_root=modules_tree(tmp_path, nvidia=False, nouveau=False))
     strand_on_vfio(host, kernel)
     arbiter = Arbiter(host.config, host, Ledger(host.config.state_dir, 5))
+    send_home(arbiter, "gpu0", [])  # off vfio-pci; the kernel binds nothing to it
+    assert kernel.driver_of(GPU) is None
+    before = arbiter.ledger.read()
     with pytest.raises(ClaimRefused) as refused:
         arbiter.acquire("container:llm", Mode.SHARED, ["gpu0"])
     assert "no driver on this host can take 0000:0a:00.0" in str(refused.value)
     assert "home_driver" in str(refused.value.hint)
-    assert kernel.driver_of(GPU) == VFIO  # nothing was touched
-    assert arbiter.ledger.read().leases == ()
+    assert kernel.driver_of(GPU) is None  # nothing was touched
+    assert arbiter.ledger.read().leases == before.leases == ()
 
 
 def test_a_configured_home_driver_wins_over_the_module_index(tmp_path, make_host, kernel):
     from charly_arbiter.core.config import TokenConfig
+    from charly_arbiter.core.planner import home_map
 
     kernel.installed = {"nouveau"}
     kernel.devices[GPU].native = "nouveau"
@@ -128,5 +133,6 @@ def test_a_configured_home_driver_wins_over_the_module_index(tmp_path, make_host
     )
     strand_on_vfio(host, kernel)
     arbiter = Arbiter(host.config, host, Ledger(host.config.state_dir, 5))
-    plan = arbiter.plan("container:llm", Mode.SHARED, ["gpu0"])
-    assert {s.address: s.to_driver for s in plan.switches}[GPU] == "nvidia"
+    (spec,) = arbiter.tokens.reread(["gpu0"])
+    # Where `send-home` (and any release) would send it: the configured driver.
+    assert home_map(arbiter.ledger.read(), spec)[GPU] == "nvidia"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from opstools import assert_golden
+from simhosts import default_host, holder
 
 
 def snapshot(sim) -> dict[str, bytes]:
@@ -136,15 +137,18 @@ def test_plan_release_of_a_claimant_that_runs_exits_3_unless_forced(sim):
     assert sim.cli("release", "libvirt:win11").returncode == 3
 
 
-def test_plan_release_of_a_shared_lease_that_is_not_the_last(sim):
+def test_plan_release_of_a_shared_lease_that_is_not_the_last(make_sim):
+    # A VM with gpu0 passed through: what a shared claim cannot coexist with.
+    sim = make_sim(host=default_host() + holder("libvirt", "vfio-vm", ["gpu0"], preemptible=True))
     sim.cli("acquire", "--shared", "container:a", "gpu0", check=True)
     sim.cli("acquire", "--shared", "container:b", "gpu0", check=True)
     sim.stopped("container:a")
     result = sim.cli("plan", "--release", "container:a")
     assert result.returncode == 0, result.stderr
     assert "The lease ends at once: every GPU it holds stays in use." in result.stdout
-    # The first shared claim stopped the holders of gpu0: they stay stopped for b.
-    assert "hand systemd:ollama.service to container:b" in result.stdout
+    # The first shared claim stopped the VM that had gpu0 passed through: it stays
+    # stopped for b.
+    assert "hand libvirt:vfio-vm to container:b" in result.stdout
 
 
 def test_plan_release_without_a_lease_and_its_usage_errors(sim):
