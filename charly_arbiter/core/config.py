@@ -121,6 +121,29 @@ class HolderConfig:
 
 
 @dataclass(frozen=True)
+class ProxmoxConfig:
+    """Where a Proxmox VE host keeps what the hookscript reads (`[proxmox]`): the
+    cluster file system, qemu-server's run directory (its PCI reservations), the
+    `qm` and `pct` programs, and this node's name (the PCI mapping file has an
+    entry per node).  The defaults are Proxmox's own; tests point them elsewhere."""
+
+    config_dir: Path = Path("/etc/pve")
+    run_dir: Path = Path("/run/qemu-server")
+    qm: str = "/usr/sbin/qm"
+    pct: str = "/usr/sbin/pct"
+    node: str = ""  # "": this host's name, as Proxmox's nodename() takes it
+    preemption: str = "stop"  # "refuse": a VM's start never stops another VM
+
+    @property
+    def node_name(self) -> str:
+        return self.node or os.uname().nodename.split(".", 1)[0]
+
+
+PROXMOX_KEYS = {"config_dir", "run_dir", "qm", "pct", "node", "preemption"}
+_NODE_NAME = re.compile(r"[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?")
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path | None = None
     state_dir: Path = DEFAULT_STATE_DIR
@@ -133,6 +156,7 @@ class Config:
     timeouts: Timeouts = field(default_factory=Timeouts)
     tokens: tuple[TokenConfig, ...] = ()
     holders: tuple[HolderConfig, ...] = ()  # arbiter.toml's, then attached.d's
+    proxmox: ProxmoxConfig = field(default_factory=ProxmoxConfig)
 
     @property
     def attached_dir(self) -> Path:
@@ -239,6 +263,7 @@ def _parse(path: Path, table: dict[str, Any]) -> Config:
         "timeouts",
         "tokens",
         "holders",
+        "proxmox",
     }
     reader.no_unknown_keys(table, known, "")
     defaults = Config()
@@ -274,6 +299,29 @@ def _parse(path: Path, table: dict[str, Any]) -> Config:
         timeouts=timeouts,
         tokens=tokens,
         holders=holders,
+        proxmox=_parse_proxmox(reader, reader.get(table, "proxmox", dict, {})),
+    )
+
+
+def _parse_proxmox(reader: _Reader, table: dict[str, Any]) -> ProxmoxConfig:
+    reader.no_unknown_keys(table, PROXMOX_KEYS, "proxmox.")
+    defaults = ProxmoxConfig()
+    paths = {}
+    for name in ("config_dir", "run_dir", "qm", "pct"):
+        value = reader.get(table, name, str, str(getattr(defaults, name)), f"proxmox.{name}")
+        if not value.startswith("/") or not value.isprintable():
+            raise ConfigError(reader.path, f"proxmox.{name}", f"{value!r} is not an absolute path")
+        paths[name] = value
+    node = reader.get(table, "node", str, "", "proxmox.node")
+    if node and _NODE_NAME.fullmatch(node) is None:
+        raise ConfigError(reader.path, "proxmox.node", f"{node!r} is not a Proxmox node name")
+    return ProxmoxConfig(
+        config_dir=Path(paths["config_dir"]),
+        run_dir=Path(paths["run_dir"]),
+        qm=paths["qm"],
+        pct=paths["pct"],
+        node=node,
+        preemption=reader.choice(table, "preemption", PREEMPTION_POLICIES, "proxmox.preemption"),
     )
 
 

@@ -17,6 +17,11 @@ VFIO = "vfio-pci"
 HOME = "home"  # how a switch to each function's own home driver is named to people
 
 _KIND = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+# Proxmox VE guests (`proxmox:VMID` VMs, `lxc:CTID` containers) are named by the
+# VMID Proxmox gives them: 100 to 999999999, written without leading zeros
+# (pve-common's pve-vmid format), so that one guest has one claimant name.
+_VMID = re.compile(r"[1-9][0-9]{2,8}")
+VMID_KINDS = ("proxmox", "lxc")
 _MAX_NAME = 256
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
@@ -103,6 +108,10 @@ class Claimant(str):
             raise InvalidClaimant(text, "the name contains control characters")
         if kind == "process" and not name.isdigit():
             raise InvalidClaimant(text, "a process claimant is process:PID")
+        if kind in VMID_KINDS and _VMID.fullmatch(name) is None:
+            raise InvalidClaimant(
+                text, f"a {kind} claimant is {kind}:VMID, a Proxmox VMID from 100 to 999999999"
+            )
         return str.__new__(cls, text)
 
     @classmethod
