@@ -6,7 +6,8 @@
   vfio-pci, which is the token, so an audio function alone claims its GPU.
 - `hostpciN` with `mdev=TYPE` makes a mediated device on the parent GPU, which
   stays on its own driver: a shared claim (qemu-server refuses mdev on several
-  devices at once).
+  devices at once).  A VM with both kinds of line is refused: a claim has one
+  mode.
 - `mapping=ID` is resolved through the cluster's PCI mapping file for this
   node: the entry qemu-server will choose (the first that no other running VM
   has reserved), checked against the hardware as qemu-server checks it; for an
@@ -31,7 +32,13 @@ from charly_arbiter.proxmox.mapping import (
     Reservation,
     in_use_by_others,
 )
-from charly_arbiter.proxmox.vmconf import GuestConfig, PciId, hostpci_lines, parse_override
+from charly_arbiter.proxmox.vmconf import (
+    GuestConfig,
+    GuestConfigError,
+    PciId,
+    hostpci_lines,
+    parse_override,
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,12 @@ def vm_claim(
             chosen = [device for alternative in alternatives for device in alternative]
         elif len(alternatives) == 1:
             chosen = list(alternatives[0])
+            twice = [str(d) for d in chosen if any(_overlap(d, other) for other in used)]
+            if twice:
+                # qemu-server's choose_hostpci_devices dies on this too.
+                raise GuestConfigError(
+                    config.guest, f"{line.key}: device {twice[0]} is assigned more than once"
+                )
         else:
             chosen = _choose(
                 vmid, config.guest, line.mapping or "", alternatives, used, where, running
@@ -89,6 +102,16 @@ def vm_claim(
     names = tuple(dict.fromkeys([*exclusive, *shared, *override.tokens]))
     if not names:
         return None
+    if exclusive and shared and not running:
+        # A claim has one mode: a mediated device needs its GPU on its own driver,
+        # a whole device needs vfio-pci.  (A VM that runs so is a holder of both.)
+        raise GuestConfigError(
+            config.guest,
+            f"it has mediated devices on {', '.join(dict.fromkeys(shared))} (a shared "
+            f"claim) and passes {', '.join(dict.fromkeys(exclusive))} whole (an exclusive "
+            "claim); the arbiter claims in one mode per VM",
+            config.path,
+        )
     mode = override.mode or (Mode.EXCLUSIVE if exclusive or not shared else Mode.SHARED)
     return VmClaim(
         mode=mode,
@@ -173,7 +196,7 @@ def _choose(
         return list(mine[0]) if mine else [d for alternative in alternatives for d in alternative]
     holders = []
     for alternative in alternatives:
-        if any(str(device) == str(other) for device in alternative for other in used):
+        if any(_overlap(device, other) for device in alternative for other in used):
             continue
         holder = in_use_by_others(alternative, reservations, vmid, where.alive)
         if holder is None:
@@ -185,6 +208,16 @@ def _choose(
         "every device it has on this node is in use"
         + (f" (by VM {', '.join(sorted(set(holders)))})" if holders else ""),
     )
+
+
+def _overlap(one: PciId, other: PciId) -> bool:
+    """Whether two ids name a function in common (a device without a function names
+    all of them)."""
+    if one.function is not None:
+        return other.covers(str(one))
+    if other.function is not None:
+        return one.covers(str(other))
+    return str(one) == str(other)
 
 
 def _full(pci: str) -> str:

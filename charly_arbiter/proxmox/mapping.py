@@ -184,7 +184,7 @@ def in_use_by_others(
         if reservation.vmid == vmid:
             continue
         address = pci if pci.count(":") == 2 else f"0000:{pci}"
-        if not any(device.covers(address) or str(device) == address for device in alternative):
+        if not any(device.covers(address) for device in alternative):
             continue
         if reservation.until is not None and reservation.until > moment:
             return reservation.vmid

@@ -199,14 +199,15 @@ class Node:
             time.sleep(0.1)
 
     def settle(self) -> None:
-        """Wait until no cleanup or detached release of the arbiter is still under way."""
+        """Wait until every guest process that ended has had its cleanup (post-stop)
+        and no release is under way (a detached one)."""
 
         def quiet() -> bool:
             lines = self.standin_log()
-            begun = sum(1 for line in lines if " cleanup " in line and " begin " in line)
-            ended = sum(1 for line in lines if " cleanup " in line and line.endswith(" end"))
+            ended = sum(1 for line in lines if " process " in line and " ended " in line)
+            cleaned = sum(1 for line in lines if " cleanup " in line and line.endswith(" end"))
             busy = [lease for lease in self.ledger().leases if lease.state != "active"]
-            return begun <= ended and not busy
+            return ended <= cleaned and not busy
 
         self.wait_for("the node to settle", quiet)
 

@@ -243,7 +243,7 @@ class Pve:
         for key, value in sorted(self.settings("qm", vmid).items()):
             if not re.fullmatch(r"hostpci\d+", key) or "mdev=" in value:
                 continue
-            for text in self._host_ids(value):
+            for text in self._host_ids(key, value, vmid):
                 match = _PCI.fullmatch(text)
                 if match is None:
                     raise Failed(f"no PCI device found for '{text}'")
@@ -268,7 +268,7 @@ class Pve:
         self._write_reservations(lines)
         return reserved
 
-    def _host_ids(self, value: str) -> list[str]:
+    def _host_ids(self, key: str, value: str, vmid: str) -> list[str]:
         parts = dict(
             part.split("=", 1) if "=" in part else ("host", part)
             for part in value.split(",")
@@ -278,15 +278,35 @@ class Pve:
             return parts["host"].split(";")
         mapping = self.root / "pve" / "mapping" / "pci.cfg"
         node = (self.root / "nodename").read_text().strip()
-        section = None
+        section, paths = None, []
         for line in mapping.read_text().splitlines():
             if line and not line[0].isspace():
                 section = line.strip()
             elif section == parts.get("mapping") and line.split()[:1] == ["map"]:
                 entry = dict(item.split("=", 1) for item in line.split(None, 1)[1].split(","))
                 if entry.get("node") == node:
-                    return entry["path"].split(";")
-        raise Failed(f"PCI device mapping not found for '{parts.get('mapping')}'")
+                    paths.append(entry["path"].split(";"))
+        if not paths:
+            raise Failed(f"PCI device mapping not found for '{parts.get('mapping')}'")
+        # choose_hostpci_devices: the first entry no other live VM has reserved.
+        for ids in paths:
+            if not any(self._reserved_by_other(text, vmid) for text in ids):
+                return ids
+        raise Failed(f"could not find a free device for '{key}'")
+
+    def _reserved_by_other(self, text: str, vmid: str) -> bool:
+        for line in self._reservations().splitlines():
+            pci, owner, kind_value = line.split()
+            kind, _, number = kind_value.partition(":")
+            if owner == vmid or not pci.startswith(
+                text if text.count(":") == 2 else f"0000:{text}"
+            ):
+                continue
+            if kind == "time" and int(number) > time.time():
+                return True
+            if kind == "pid" and Path(f"/proc/{number}").exists():
+                return True
+        return False
 
     def _reservations(self) -> str:
         try:
