@@ -123,12 +123,14 @@ class HolderConfig:
 @dataclass(frozen=True)
 class ProxmoxConfig:
     """Where a Proxmox VE host keeps what the hookscript reads (`[proxmox]`): the
-    cluster file system, qemu-server's run directory (its PCI reservations), the
-    `qm` and `pct` programs, and this node's name (the PCI mapping file has an
-    entry per node).  The defaults are Proxmox's own; tests point them elsewhere."""
+    cluster file system, qemu-server's run directory (its PCI reservations) and
+    lock directory (a VM's configuration lock), the `qm` and `pct` programs, and
+    this node's name (the PCI mapping file has an entry per node).  The defaults
+    are Proxmox's own; tests point them elsewhere."""
 
     config_dir: Path = Path("/etc/pve")
     run_dir: Path = Path("/run/qemu-server")
+    lock_dir: Path = Path("/var/lock/qemu-server")  # qemu-server's lock-VMID.conf flocks
     qm: str = "/usr/sbin/qm"
     pct: str = "/usr/sbin/pct"
     node: str = ""  # "": this host's name, as Proxmox's nodename() takes it
@@ -139,7 +141,7 @@ class ProxmoxConfig:
         return self.node or os.uname().nodename.split(".", 1)[0]
 
 
-PROXMOX_KEYS = {"config_dir", "run_dir", "qm", "pct", "node", "preemption"}
+PROXMOX_KEYS = {"config_dir", "run_dir", "lock_dir", "qm", "pct", "node", "preemption"}
 _NODE_NAME = re.compile(r"[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?")
 
 
@@ -307,7 +309,7 @@ def _parse_proxmox(reader: _Reader, table: dict[str, Any]) -> ProxmoxConfig:
     reader.no_unknown_keys(table, PROXMOX_KEYS, "proxmox.")
     defaults = ProxmoxConfig()
     paths = {}
-    for name in ("config_dir", "run_dir", "qm", "pct"):
+    for name in ("config_dir", "run_dir", "lock_dir", "qm", "pct"):
         value = reader.get(table, name, str, str(getattr(defaults, name)), f"proxmox.{name}")
         if not value.startswith("/") or not value.isprintable():
             raise ConfigError(reader.path, f"proxmox.{name}", f"{value!r} is not an absolute path")
@@ -318,6 +320,7 @@ def _parse_proxmox(reader: _Reader, table: dict[str, Any]) -> ProxmoxConfig:
     return ProxmoxConfig(
         config_dir=Path(paths["config_dir"]),
         run_dir=Path(paths["run_dir"]),
+        lock_dir=Path(paths["lock_dir"]),
         qm=paths["qm"],
         pct=paths["pct"],
         node=node,

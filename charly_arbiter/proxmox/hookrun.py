@@ -12,14 +12,18 @@ under the lock, so that `qm cleanup` (and the next start) is not kept waiting.
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 
-from charly_arbiter.compose import HookSession, spawn_finish_release
-from charly_arbiter.core.config import Config
+from charly_arbiter.compose import HookSession, build_arbiter, log_to_file, spawn_finish_release
+from charly_arbiter.core import files
+from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.model import Claimant, LeaseState
 from charly_arbiter.core.planner import NO_POLICY, Policy
 from charly_arbiter.errors import ArbiterError
 from charly_arbiter.host.markers import HOOK_DIR, marked
+from charly_arbiter.host.run import spawn_detached
 from charly_arbiter.logsetup import log_setup
 from charly_arbiter.proxmox.claims import VmClaim, vm_claim
 from charly_arbiter.proxmox.holders import ct_config_path, proxmox_node, vm_config_path
@@ -27,7 +31,12 @@ from charly_arbiter.proxmox.vmconf import parse_vm_config, read_config_file
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HookRun", "dispatch"]
+__all__ = ["WATCHER", "HookRun", "dispatch", "watch_start"]
+
+# The start watcher's first argument (and its name in ps), and how long it waits for
+# the VM's start to end (qemu-server's start timeout is minutes at most).
+WATCHER = "watch-start"
+START_WAIT = 3600.0
 
 
 def dispatch(vmid: str, phase: str) -> int:
@@ -85,6 +94,9 @@ class HookRun(HookSession):
             plan.mode,
             f"; stopped {stopped}" if stopped else "",
         )
+        lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
+        if lease is not None:
+            spawn_start_watch(self.config, self.ref, lease.created)
         return 0
 
     def release(self) -> int:
@@ -104,6 +116,84 @@ class HookRun(HookSession):
         # Proxmox says the VM has stopped: no need to ask whether it runs.
         arbiter.release_claimant(self.ref, success=True, reason="", force=True)
         return 0
+
+
+# -- a start that fails after pre-start -------------------------------------------------
+
+
+def spawn_start_watch(config: Config, ref: str, created: str) -> None:
+    """Watch this VM's start to its end, in a process of its own (see watch_start).
+
+    qemu-server runs no post-stop when the start fails after pre-start (QEMU does
+    not start: vm_start_nolock cleans up its PCI reservations and dies), so the
+    lease this pre-start took would be left with the GPU on vfio-pci and its
+    holders stopped until someone ran `restore`."""
+    package_parent = str(Path(__file__).resolve().parent.parent.parent)
+    spawn_detached(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.path.insert(0, sys.argv[1]); "
+            "from charly_arbiter.proxmox.hookrun import watch_start; "
+            "sys.exit(watch_start(sys.argv[3:]))",
+            package_parent,
+            WATCHER,
+            str(config.path or "-"),
+            str(config.state_dir),
+            config.host,
+            ref,
+            created,
+        ]
+    )
+
+
+def watch_start(argv: list[str]) -> int:
+    """Wait for the VM's configuration lock (qemu-server holds it for the whole
+    start, pre-start included); holding it, no other start or cleanup of the VM
+    can run.  Then, if the VM does not run and the lease this start took is still
+    there, active, the start failed after pre-start: release it."""
+    if len(argv) != 5:
+        print(
+            f"charly-arbiter: usage: {WATCHER} CONFIG STATE_DIR HOST CLAIMANT CREATED",
+            file=sys.stderr,
+        )
+        return 2
+    config_path, state_dir, host, ref, created = argv
+    log_setup(1, stderr=False)  # (its stderr is /dev/null: it runs detached)
+    config = load_config(
+        None if config_path == "-" else Path(config_path), state_dir=Path(state_dir), host=host
+    )
+    log_to_file(config)
+    claimant = Claimant.parse(ref)
+    lock = config.proxmox.lock_dir / f"lock-{claimant.name}.conf"
+    try:
+        handle = lock.open("a")
+    except OSError as error:
+        log.warning("%s: cannot watch its start (%s: %s)", ref, lock, error.strerror)
+        return 0
+    with handle:
+        if not files.lock_within(handle, START_WAIT):
+            log.warning("%s: its start did not end within %g s; not watched", ref, START_WAIT)
+            return 0
+        arbiter = build_arbiter(config)
+        try:
+            lease = arbiter.ledger.read().lease_of(claimant)
+            if lease is None or lease.created != created or lease.state is not LeaseState.ACTIVE:
+                return 0  # released already (a post-stop), or another start's lease
+            if arbiter.host.is_running(claimant):
+                return 0
+            log.warning(
+                "%s did not start after its pre-start claimed %s (Proxmox runs no post-stop "
+                "then); releasing",
+                ref,
+                ", ".join(lease.tokens),
+            )
+            arbiter.release_claimant(
+                claimant, success=False, reason="the start failed after pre-start", force=True
+            )
+        finally:
+            arbiter.host.close()
+    return 0
 
 
 def preemption_policy(config: Config) -> Policy:

@@ -207,9 +207,24 @@ class Node:
             ended = sum(1 for line in lines if " process " in line and " ended " in line)
             cleaned = sum(1 for line in lines if " cleanup " in line and line.endswith(" end"))
             busy = [lease for lease in self.ledger().leases if lease.state != "active"]
-            return ended <= cleaned and not busy
+            return ended <= cleaned and not busy and not self.watchers()
 
         self.wait_for("the node to settle", quiet)
+
+    def watchers(self) -> list[int]:
+        """The hook's start watchers still waiting (proxmox/hookrun.py's watch_start)."""
+        found = []
+        needle = str(self.config_path).encode()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"watch-start" in cmdline and needle in cmdline:
+                found.append(int(entry))
+        return found
 
 
 def with_key(text: str, line: str) -> str:
@@ -270,6 +285,7 @@ def node(tmp_path: Path) -> Iterator[Node]:
         "\n[proxmox]\n"
         f'config_dir = "{root / "pve"}"\n'
         f'run_dir = "{root / "run" / "qemu-server"}"\n'
+        f'lock_dir = "{root / "lock"}"\n'
         f'qm = "{root / "bin" / "qm"}"\n'
         f'pct = "{root / "bin" / "pct"}"\n'
         f'node = "{NODE}"\n'

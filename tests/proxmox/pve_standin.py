@@ -18,6 +18,8 @@ arbiter meets (docs/proxmox.md has the source read for each point):
   (pci_dev_group_bind_to_vfio), on the simulated host, and reserved for the VM
   (pci-id-reservations, `pid:`); then "QEMU" (a real process, `-id VMID` on its
   command line) and `post-start`.
+- A start can be made to fail after that (ROOT/run/VMID.fail-start): QEMU does
+  not come up, the reservations go, and no post-stop runs, as in vm_start_nolock.
 - `qm shutdown|stop`: `pre-stop` (warnings only), the end of QEMU (SIGTERM;
   SIGKILL after the timeout with forceStop, or for `stop`), vm_stop_cleanup
   (pidfile and reservations gone, pending changes applied), all under the lock.
@@ -343,6 +345,12 @@ class Pve:
             self.hookscript(kind, vmid, "pre-start", stop_on_error=True)
             if kind == "qm":
                 self.prepare_pci(vmid, f"time:{int(time.time()) + 30}")
+            if (self.root / "run" / f"{vmid}.fail-start").exists():
+                # QEMU does not come up: vm_start_nolock cleans up its PCI reservations
+                # and dies; no post-stop runs (no QEMU ever ended).
+                if kind == "qm":
+                    self.unreserve(vmid)
+                raise Failed("start failed: QEMU exited with code 1")
             pid = self.launch(kind, vmid)
             if kind == "qm":
                 reserved = [

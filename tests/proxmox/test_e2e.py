@@ -176,6 +176,26 @@ def test_pending_changes_count_as_proxmox_applies_them(node: Node) -> None:
     assert node.leases() == {} and at_home(node)
 
 
+def test_a_start_that_fails_after_pre_start_gives_everything_back(node: Node) -> None:
+    """QEMU does not come up after pre-start claimed: Proxmox runs no post-stop, so the
+    hook's start watcher releases once the VM's lock is free and the VM does not run."""
+    node.write_vm(100, config_text("vm-100-win11.conf"))
+    node.write_ct(200, config_text("ct-200-jellyfin.conf"))
+    node.pct("start", "200")
+    (node.root / "run" / "100.fail-start").touch()
+    failed = node.qm("start", "100", check=False)
+    assert failed.returncode != 0 and "start failed" in failed.stderr
+    node.wait_for("the container back", lambda: node.running("lxc", 200))
+    node.wait_for("the lease to go", lambda: node.leases() == {})
+    assert at_home(node)
+    assert any("did not start after its pre-start claimed gpu0" in line for line in node.hook_log())
+    node.check("after the failed start", {JELLYFIN: True})
+    (node.root / "run" / "100.fail-start").unlink()
+    node.qm("start", "100")  # a start that works keeps its lease: the watcher lets it be
+    node.wait_for("the start watcher to end", lambda: not node.watchers())
+    assert list(node.leases()) == [WIN11] and node.running("proxmox", 100)
+
+
 def test_a_guest_crash_runs_post_stop_and_converges(node: Node) -> None:
     """kill -9 of QEMU: qmeventd's cleanup runs post-stop, which gives everything back."""
     node.write_vm(100, config_text("vm-100-win11.conf"))

@@ -32,7 +32,7 @@ def sim(make_sim: Callable[..., SimEnv], tmp_path: Path) -> SimEnv:
     config = (
         DEFAULT_CONFIG
         + '\n[tokens.gpu2]\naddress = "0000:0c:00.0"\n'
-        + f'\n[proxmox]\nconfig_dir = "{pve}"\nnode = "pve1"\n'
+        + f'\n[proxmox]\nconfig_dir = "{pve}"\nlock_dir = "{pve.parent / "lock"}"\nnode = "pve1"\n'
     )
     env = make_sim(host=HOST, config=config)
     for directory in ("qemu-server", "lxc", "mapping"):
