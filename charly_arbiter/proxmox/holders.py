@@ -361,6 +361,19 @@ class LxcHolders(_Guests):
         detail = "given " + "; ".join(f"{token} by {why}" for token, why in held.items())
         return tuple(held), bool(override.preemptible), override.stop or "shutdown", detail
 
+    def cgroup_owner(self, paths: Sequence[str]) -> Claimant | None:
+        """The container a process runs in: pve-container places a container's
+        processes in the cgroup `lxc/CTID/ns` (lxc.cgroup.dir.container = lxc/CTID,
+        .inner = ns; its monitor in lxc.monitor/CTID), so a process of the container
+        holding the GPU's node is the container's, stopped with it, not a refusal."""
+        for path in paths:
+            parts = path.split("/")
+            for index, part in enumerate(parts[:-1]):
+                vmid = parts[index + 1]
+                if part == "lxc" and _valid_vmid(vmid) and self._config_path(vmid).exists():
+                    return Claimant.of(self.kind, vmid)
+        return None
+
     def _numbers_at(self, path: str) -> list[DeviceNumber]:
         """The character devices at a /dev path of the host: the node, or those in the
         directory (searched WALK_DEPTH deep, symlinks not followed)."""

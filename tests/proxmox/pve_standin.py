@@ -207,9 +207,14 @@ class Pve:
         """The watcher: start "QEMU" (or the container's init), write its pidfile, wait
         for it, then run `qm cleanup` (or the container's post-stop)."""
         ignore = (self.root / "run" / f"{vmid}.ignore-shutdown").exists()
+        holds = self.root / "run" / f"{vmid}.holds"  # device nodes its processes open
+        opened = holds.read_text().split() if holds.exists() else []
         body = (
             "import signal, sys, time\n"
             + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\n" if ignore else "")
+            + "".join(
+                f"held_{i} = open({path!r}, 'rb', buffering=0)\n" for i, path in enumerate(opened)
+            )
             + "while True: time.sleep(3600)\n"
         )
         name = "qemu-standin" if kind == "qm" else "lxc-init-standin"
@@ -219,6 +224,10 @@ class Pve:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        cgroup = self.root / "run" / f"{vmid}.cgroup"
+        if cgroup.exists():
+            # lxc-start puts the container's processes in lxc/CTID/ns (pve-container).
+            Path(cgroup.read_text().strip(), "cgroup.procs").write_text(f"{child.pid}\n")
         self.pidfile(kind, vmid).write_text(f"{child.pid}\n")
         self.log(f"{kind} {vmid} process {child.pid}")
         child.wait()

@@ -11,10 +11,15 @@ what is real and what stands in.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import stat
 import subprocess
 import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import Node, config_text
@@ -268,3 +273,74 @@ def test_preemption_refuse_never_stops_another_vm(node: Node) -> None:
     line = next(item for item in refused.stderr.splitlines() if item.startswith("charly-arbiter: "))
     assert "proxmox:101" in line and "qm shutdown" in line, line
     assert node.running("proxmox", 101) and list(node.leases()) == [LLM]
+
+
+def cgroup2_root() -> Path | None:
+    """Where a cgroup v2 hierarchy is mounted writable (alone, or beside v1)."""
+    for candidate in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified")):
+        if (candidate / "cgroup.controllers").exists() and os.access(candidate, os.W_OK):
+            return candidate
+    return None
+
+
+@pytest.fixture
+def container_cgroup(node: Node) -> Iterator[Path]:
+    """A real cgroup `…/lxc/200/ns`, where pve-container puts container 200's processes."""
+    root = cgroup2_root()
+    if root is None or os.geteuid() != 0:
+        pytest.skip("needs root and a writable cgroup v2 hierarchy")
+    base = root / f"charly-arbiter-test-{os.getpid()}-{id(node)}"
+    leaf = base / "lxc" / "200" / "ns"
+    leaf.mkdir(parents=True)
+    yield leaf
+    for pid in (leaf / "cgroup.procs").read_text().split():
+        with contextlib.suppress(OSError):
+            os.kill(int(pid), signal.SIGKILL)
+    for directory in (leaf, leaf.parent, leaf.parent.parent, base):
+        for _ in range(50):
+            try:
+                directory.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def test_a_process_of_the_container_holding_the_node_is_stopped_with_it(
+    node: Node, container_cgroup: Path
+) -> None:
+    """The container's transcoder holds /dev/dri/renderD128 open (a real open file of
+    a real process, in the container's real cgroup): it is the container's, which is
+    stopped, not a stray process that refuses the claim.  The same process outside
+    the container's cgroup refuses it."""
+    from tests.containers.conftest import Unavailable, free_devices
+
+    try:
+        device = free_devices(1)[0]
+    except Unavailable as why:
+        pytest.skip(str(why))
+    render = node.sim_dir / "dev" / "dri" / "renderD128"
+    render.unlink()
+    os.mknod(render, 0o600 | stat.S_IFCHR, device.st_rdev)  # an openable node nobody holds
+    (node.root / "run" / "200.holds").write_text(str(render))
+    node.write_vm(100, config_text("vm-100-win11.conf"))
+    node.write_ct(200, config_text("ct-200-jellyfin.conf"))
+
+    node.pct("start", "200")  # its process outside the container's cgroup
+    refused = node.qm("start", "100", check=False)
+    assert refused.returncode != 0
+    line = next(item for item in refused.stderr.splitlines() if item.startswith("charly-arbiter: "))
+    assert str(node.guest_pid("lxc", 200)) in line and "renderD128" in line, line
+    node.pct("stop", "200")
+    node.settle()
+
+    (node.root / "run" / "200.cgroup").write_text(str(container_cgroup))
+    node.pct("start", "200")
+    pid = node.guest_pid("lxc", 200)
+    assert "/lxc/200/ns" in Path(f"/proc/{pid}/cgroup").read_text()
+    node.qm("start", "100")
+    assert [record.holder for record in node.leases()[WIN11].stopped] == [JELLYFIN]
+    assert not node.running("lxc", 200) and on_vfio(node, *GPU0)
+    node.qm("shutdown", "100")
+    node.wait_for("the container back", lambda: node.running("lxc", 200))
+    node.settle()
+    assert node.leases() == {} and at_home(node)
