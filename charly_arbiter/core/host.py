@@ -87,7 +87,9 @@ class Holder:
     """Something that uses a token right now or may use it (a VM, a unit, a process).
 
     `how` says how it would be stopped (shown by `plan`); `restartable` is false
-    for things that cannot be brought back, such as a terminated process.
+    for things that cannot be brought back, such as a terminated process;
+    `made_preemptible` says how an operator lets claims stop it, where that is
+    not arbiter.toml (a refusal shows it).
     """
 
     ref: Claimant
@@ -97,6 +99,7 @@ class Holder:
     how: str = "stop"
     detail: str = ""
     restartable: bool = True
+    made_preemptible: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ref", Claimant.parse(self.ref))

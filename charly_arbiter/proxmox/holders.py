@@ -131,6 +131,7 @@ class _Guests:
                     running=self.is_running(ref),
                     how=f"{Path(self.program).name} {stop}",
                     detail=detail,
+                    made_preemptible="give it the tag charly-preemptible (docs/proxmox.md)",
                 )
             )
         return found

@@ -315,22 +315,27 @@ def node(tmp_path: Path) -> Iterator[Node]:
 
 
 def _stop_everything(root: Path) -> None:
-    """Kill what the test left running: guests, watchers, detached releases."""
-    for pidfile in [*root.glob("run/qemu-server/*.pid"), *root.glob("run/lxc/*.pid")]:
-        try:
-            os.kill(int(pidfile.read_text()), 9)
-        except (OSError, ValueError):
-            pass
+    """Kill what the test left running: the stand-ins' watchers and guests, hooks'
+    detached releases and start watchers (each names ROOT on its command line).
+    Again until none is left: a guest killed here would have its cleanup, and a
+    release, start another."""
     needle = str(root).encode()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if needle in cmdline:
+    for _ in range(20):
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit() or int(entry) == os.getpid():
+                continue
             try:
-                os.kill(int(entry), 9)
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if needle in cmdline:
+                found.append(int(entry))
+        if not found:
+            return
+        for pid in found:
+            try:
+                os.kill(pid, 9)
             except OSError:
                 pass
+        time.sleep(0.2)

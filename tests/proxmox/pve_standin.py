@@ -219,7 +219,7 @@ class Pve:
         )
         name = "qemu-standin" if kind == "qm" else "lxc-init-standin"
         child = subprocess.Popen(
-            [sys.executable, "-c", body, name, "-id", vmid],
+            [sys.executable, "-c", body, name, "-id", vmid, str(self.root)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -243,7 +243,11 @@ class Pve:
     def prepare_pci(self, vmid: str, pid_placeholder: str) -> list[str]:
         """qemu-server's reservation and binding for each hostpci line (host= ids, or a
         mapping's first entry for this node): every function of the device's IOMMU
-        group to vfio-pci unless it is there already.  Returns the reserved ids."""
+        group to vfio-pci unless it is there already.  Returns the reserved ids.
+        Without a simulated host (ROOT/host), on the real kernel of tests/kernel, it
+        only looks: it records each function's driver, and binds nothing."""
+        if not (self.root / "host" / "host.toml").exists():
+            return self._look_at_real_pci(vmid)
         sys.path.insert(0, str(self.repo))
         from charly_arbiter.core.host import TokenSpec
         from charly_arbiter.host.sim import SimHost
@@ -278,6 +282,21 @@ class Pve:
         lines += [f"{address} {vmid} {pid_placeholder}" for address in reserved]
         self._write_reservations(lines)
         return reserved
+
+    def _look_at_real_pci(self, vmid: str) -> list[str]:
+        found = []
+        for key, value in sorted(self.settings("qm", vmid).items()):
+            if not re.fullmatch(r"hostpci\d+", key):
+                continue
+            for text in self._host_ids(key, value, vmid):
+                prefix = text if text.count(":") == 2 else f"0000:{text}"
+                for entry in sorted(os.listdir("/sys/bus/pci/devices")):
+                    if entry.startswith(prefix):
+                        link = Path("/sys/bus/pci/devices", entry, "driver")
+                        driver = os.path.basename(os.readlink(link)) if link.exists() else "none"
+                        self.log(f"qemu-server finds {entry} on {driver}")
+                        found.append(entry)
+        return found
 
     def _host_ids(self, key: str, value: str, vmid: str) -> list[str]:
         parts = dict(

@@ -143,6 +143,7 @@ def test_a_container_that_may_not_be_stopped_refuses_the_start(
     assert refused.returncode != 0
     line = next(item for item in refused.stderr.splitlines() if item.startswith("charly-arbiter: "))
     assert f"lxc:{vmid}" in line and token in line and "proxmox:104" in line, line
+    assert "not preemptible" in line and "tag charly-preemptible" in line, line
     assert node.running("lxc", int(vmid)) and not node.running("proxmox", 104)
     assert node.leases() == {} and at_home(node)
 

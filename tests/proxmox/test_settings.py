@@ -1,0 +1,75 @@
+"""`[proxmox]` in arbiter.toml: the defaults are Proxmox's own, and a bad value is
+a ConfigError naming the key (the hookscript then refuses the start, saying so)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from charly_arbiter.core.config import ProxmoxConfig, load_config
+from charly_arbiter.errors import ConfigError
+from charly_arbiter.proxmox.hook import DEFAULT_PVE, DEFAULT_STATE
+
+
+def load(tmp_path: Path, text: str) -> ProxmoxConfig:
+    path = tmp_path / "arbiter.toml"
+    path.write_text(text)
+    path.chmod(0o644)
+    return load_config(path, environ={}).proxmox
+
+
+def test_the_defaults_are_proxmoxs_own_paths(tmp_path: Path) -> None:
+    settings = load(tmp_path, "")
+    assert (settings.config_dir, settings.run_dir, settings.lock_dir) == (
+        Path("/etc/pve"),
+        Path("/run/qemu-server"),
+        Path("/var/lock/qemu-server"),
+    )
+    assert (settings.qm, settings.pct, settings.preemption) == (
+        "/usr/sbin/qm",
+        "/usr/sbin/pct",
+        "stop",
+    )
+    assert settings.node_name and "." not in settings.node_name
+    # The hook's fast path spells the same defaults without importing core/config.
+    assert DEFAULT_PVE.decode() == str(settings.config_dir)
+    assert DEFAULT_STATE.decode() == str(
+        load_config(tmp_path / "arbiter.toml", environ={}).state_dir
+    )
+
+
+def test_every_setting_is_read(tmp_path: Path) -> None:
+    settings = load(
+        tmp_path,
+        '[proxmox]\nconfig_dir = "/srv/pve"\nrun_dir = "/srv/run"\nlock_dir = "/srv/lock"\n'
+        'qm = "/opt/qm"\npct = "/opt/pct"\nnode = "pve-2"\npreemption = "refuse"\n',
+    )
+    assert settings == ProxmoxConfig(
+        Path("/srv/pve"),
+        Path("/srv/run"),
+        Path("/srv/lock"),
+        "/opt/qm",
+        "/opt/pct",
+        "pve-2",
+        "refuse",
+    )
+    assert settings.node_name == "pve-2"
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('config_dir = "etc/pve"', "proxmox.config_dir"),
+        ('qm = "qm"', "proxmox.qm"),
+        ("pct = 3", "proxmox.pct"),
+        ('node = "-bad"', "proxmox.node"),
+        ('node = "a.b"', "proxmox.node"),
+        ('preemption = "maybe"', "proxmox.preemption"),
+        ('colour = "red"', "proxmox.colour"),
+    ],
+)
+def test_a_bad_setting_names_its_key(tmp_path: Path, text: str, key: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load(tmp_path, f"[proxmox]\n{text}\n")
+    assert key in str(error.value)
