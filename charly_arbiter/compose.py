@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import Config, load_config
-from charly_arbiter.core.host import Host
+from charly_arbiter.core.host import Holder, Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, ProcessRef
 from charly_arbiter.core.planner import NO_POLICY, Policy
+from charly_arbiter.errors import HolderError
 from charly_arbiter.host.holders import HolderSource, SourceFactory
 from charly_arbiter.host.markers import is_acting
 from charly_arbiter.host.run import spawn_detached
@@ -66,11 +68,15 @@ def holder_sources(subject: str | None = None) -> dict[str, SourceFactory]:
         return LibvirtHolders(config, subject=subject_of("libvirt"))
 
     def proxmox_vms(config: Config) -> HolderSource:
+        if not (config.proxmox.config_dir / "qemu-server").is_dir():
+            return NoGuests("proxmox")
         from charly_arbiter.proxmox.holders import ProxmoxHolders
 
         return ProxmoxHolders(config, subject=subject_of("proxmox"))
 
     def proxmox_containers(config: Config) -> HolderSource:
+        if not (config.proxmox.config_dir / "lxc").is_dir():
+            return NoGuests("lxc")
         from charly_arbiter.proxmox.holders import LxcHolders
 
         return LxcHolders(config, device_nodes(config))
@@ -83,6 +89,27 @@ def holder_sources(subject: str | None = None) -> dict[str, SourceFactory]:
         "proxmox": proxmox_vms,
         "lxc": proxmox_containers,
     }
+
+
+class NoGuests:
+    """Proxmox guests on a host that is no Proxmox VE node (its configuration
+    directory is missing): none to find, none running, and the Proxmox modules are
+    never imported for a claim there."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
+        return []
+
+    def is_running(self, ref: Claimant) -> bool:
+        return False
+
+    def stop(self, ref: Claimant) -> None:
+        raise HolderError(ref, "stop", "this host is no Proxmox VE node")
+
+    def start(self, ref: Claimant) -> None:
+        raise HolderError(ref, "start", "this host is no Proxmox VE node")
 
 
 def device_nodes(config: Config) -> DeviceNodes:

@@ -292,7 +292,8 @@ def scenario_proxmox(out: dict[str, Any]) -> None:
         out["proxmox_start"] = {**started, "drivers": drivers(), "status": status(config)}
         stopped = qm("stop", "100")
         home = wait_for(lambda: drivers() == HOME, 60)
-        leases_gone = wait_for(lambda: status(config).get("leases") == [], 30)
+        ledger = Path("/run/state-proxmox/ledger.toml")
+        leases_gone = wait_for(lambda: "proxmox:100" not in ledger.read_text(), 30)
         post_stop = root / "standin.log"
         wait_for(lambda: "hookscript 100 post-stop" in post_stop.read_text(), 30)
         out["proxmox_stop"] = {

@@ -195,7 +195,7 @@ class Pve:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # two Pythons start: slow under TCG
         while time.monotonic() < deadline:
             pid = self.pid(kind, vmid)
             if pid is not None:

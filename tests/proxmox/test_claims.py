@@ -5,13 +5,13 @@ resolved as qemu-server resolves them on this node, and the override."""
 from __future__ import annotations
 
 import pytest
-from conftest import config_text
 
 from charly_arbiter.core.host import PciFunction, TokenSpec
 from charly_arbiter.core.model import Mode
 from charly_arbiter.proxmox.claims import ProxmoxNode, VmClaim, vm_claim
 from charly_arbiter.proxmox.mapping import MappingError, Reservation, parse_mappings
 from charly_arbiter.proxmox.vmconf import GuestConfigError, parse_vm_config
+from tests.proxmox.conftest import config_text
 
 
 def function(address: str, pci_class: str, device: str, group: int) -> PciFunction:

@@ -10,11 +10,11 @@ import stat
 from pathlib import Path
 
 import pytest
-from conftest import free_major
 
 from charly_arbiter.core.config import Config, ProxmoxConfig
 from charly_arbiter.core.host import UNKNOWN_FUNCTION, PciFunction, TokenSpec
 from charly_arbiter.proxmox.holders import DeviceNodes, LxcHolders
+from tests.proxmox.conftest import free_major
 
 GPU0, GPU1 = "0000:0a:00.0", "0000:0b:00.0"
 TOKENS = [

@@ -8,7 +8,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, config_text
 
 from charly_arbiter.core.model import Mode
 from charly_arbiter.errors import ArbiterError
@@ -32,6 +31,7 @@ from charly_arbiter.proxmox.vmconf import (
     parse_override,
     parse_vm_config,
 )
+from tests.proxmox.conftest import CONFIGS, config_text
 
 
 def vm(text: str) -> list[tuple[str, str]]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from charly_arbiter.core.config import ProxmoxConfig, load_config
+from charly_arbiter.core.config import Config, ProxmoxConfig, load_config
 from charly_arbiter.errors import ConfigError
 from charly_arbiter.proxmox.hook import DEFAULT_PVE, DEFAULT_STATE
 
@@ -73,3 +73,40 @@ def test_a_bad_setting_names_its_key(tmp_path: Path, text: str, key: str) -> Non
     with pytest.raises(ConfigError) as error:
         load(tmp_path, f"[proxmox]\n{text}\n")
     assert key in str(error.value)
+
+
+def test_on_a_host_that_is_no_proxmox_node_its_guests_cost_nothing(tmp_path: Path) -> None:
+    """Without /etc/pve/qemu-server (or lxc), a claim's holder listing finds no guest
+    and imports none of proxmox/ (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from charly_arbiter.compose import holder_sources\n"
+        "from charly_arbiter.core.config import Config, ProxmoxConfig\n"
+        "from charly_arbiter.errors import HolderError\n"
+        f"config = Config(proxmox=ProxmoxConfig(config_dir=Path({str(tmp_path / 'none')!r})))\n"
+        "for kind in ('proxmox', 'lxc'):\n"
+        "    source = holder_sources()[kind](config)\n"
+        "    assert source.holders([]) == [] and not source.is_running(kind + ':100')\n"
+        "    try:\n"
+        "        source.start(kind + ':100')\n"
+        "    except HolderError as error:\n"
+        "        assert 'no Proxmox VE node' in str(error)\n"
+        "    else:\n"
+        "        raise AssertionError('started')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('charly_arbiter.proxmox')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    (tmp_path / "pve" / "qemu-server").mkdir(parents=True)
+    config = Config(proxmox=ProxmoxConfig(config_dir=tmp_path / "pve"))
+    from charly_arbiter.compose import holder_sources
+    from charly_arbiter.proxmox.holders import ProxmoxHolders
+
+    assert isinstance(holder_sources("proxmox:100")["proxmox"](config), ProxmoxHolders)

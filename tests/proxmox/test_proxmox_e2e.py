@@ -22,8 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Node, config_text
 from invariants import assert_converged
+
+from tests.proxmox.conftest import Node, config_text
 
 pytestmark = pytest.mark.slow
 
