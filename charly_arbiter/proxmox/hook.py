@@ -4,8 +4,9 @@ qemu-server runs a VM's hookscript with `VMID PHASE` (pve-guest-common's
 exec_hookscript) at `pre-start` (a non-zero exit aborts the start),
 `post-start`, `pre-stop` (only for a stop through the API) and `post-stop`
 (from `qm cleanup`, after every end of the QEMU process, a crash included).
-The arbiter claims at `pre-start` and releases at `post-stop`; the other two
-phases exit 0 at once (hooks/proxmox lets only those two through).
+The arbiter claims at `pre-start`, notes at `post-start` that the start worked
+(for the start watcher of hookrun), and releases at `post-stop`; `pre-stop`
+exits 0 at once (hooks/proxmox does not even start Python for it).
 
 The path for a VM that names no PCI device imports almost nothing (`os` and
 `sys`): it reads the VM's configuration file and scans the bytes of its main
@@ -15,7 +16,7 @@ pending changes applied at the stop).  Everything after that is `hookrun`.
 
 Contract (docs/proxmox.md): nothing on stdout; `pre-start` refuses with exit 1
 and one or two sentences on stderr (Proxmox shows them in the start task's
-log); `post-stop` always exits 0.  The VMID is untrusted until it is checked
+log); `post-start` and `post-stop` always exit 0.  The VMID is untrusted until it is checked
 to be one (an integer from 100 to 999999999).
 """
 
@@ -26,8 +27,8 @@ import sys
 
 from charly_arbiter.hookio import say, scan_config, stdout_to_stderr
 
-HANDLED = ("pre-start", "post-stop")
-ALWAYS_SUCCEED = ("post-stop",)
+HANDLED = ("pre-start", "post-start", "post-stop")
+ALWAYS_SUCCEED = ("post-start", "post-stop")
 # vmconf.MAX_CONFIG_BYTES, not imported: the fast path stays light.
 MAX_CONFIG = 1 << 20
 # core/config's defaults (ProxmoxConfig.config_dir, DEFAULT_STATE_DIR), not imported.
@@ -93,19 +94,24 @@ def valid_vmid(text: str) -> bool:
 
 def _may_concern(vmid: str, phase: str) -> bool:
     """False only when sure: the VM's main section names no PCI device and no
-    override, and (at post-stop) the ledger does not name the VM."""
+    override (at pre-start and post-stop), and the ledger does not name the VM
+    (at post-start and post-stop)."""
     scan = scan_config(None)
     if scan is None:
         raise _Unsure
     settings = scan[1]
+    if phase == "post-start":
+        return _in_ledger(vmid, settings)
     pve = setting(settings, b"config_dir") or DEFAULT_PVE
     # No file at pre-start (a container, or a wrong config_dir): the slow path says
     # which.  At post-stop, qm cleanup runs only while the file exists; the ledger decides.
     missing = None if phase == "pre-start" else b""
     if may_claim(_read(pve + b"/qemu-server/" + vmid.encode() + b".conf", missing)):
         return True
-    if phase != "post-stop":
-        return False
+    return phase == "post-stop" and _in_ledger(vmid, settings)
+
+
+def _in_ledger(vmid: str, settings: bytes) -> bool:
     state = os.environ.get(ENV_STATE_DIR, "").encode() or setting(settings, b"state_dir")
     ledger = _read((state or DEFAULT_STATE) + b"/ledger.toml", missing=b"")
     return b'"proxmox:' + vmid.encode() + b'"' in ledger

@@ -287,13 +287,18 @@ def scenario_proxmox(out: dict[str, Any]) -> None:
             "seconds": round(time.monotonic() - started, 2),
         }
 
+    from charly_arbiter.core.ledger import Ledger
+
+    def leases() -> list[dict[str, Any]]:
+        state = Ledger(Path("/run/state-proxmox")).read()
+        return [{"claimant": str(x.claimant), "mode": str(x.mode)} for x in state.leases]
+
     try:
         started = qm("start", "100")
-        out["proxmox_start"] = {**started, "drivers": drivers(), "status": status(config)}
+        out["proxmox_start"] = {**started, "drivers": drivers(), "leases": leases()}
         stopped = qm("stop", "100")
         home = wait_for(lambda: drivers() == HOME, 60)
-        ledger = Path("/run/state-proxmox/ledger.toml")
-        leases_gone = wait_for(lambda: "proxmox:100" not in ledger.read_text(), 30)
+        leases_gone = wait_for(lambda: leases() == [], 30)
         post_stop = root / "standin.log"
         wait_for(lambda: "hookscript 100 post-stop" in post_stop.read_text(), 30)
         out["proxmox_stop"] = {
@@ -302,9 +307,10 @@ def scenario_proxmox(out: dict[str, Any]) -> None:
             "leases_gone": leases_gone,
             "drivers": drivers(),
         }
-        for name in ("standin", "hook"):
-            log = root / f"{name}.log"
-            out[f"proxmox_{name}_log"] = log.read_text().splitlines() if log.exists() else []
+        for name in ("standin.log", "hook.log", "standin.times"):
+            log = root / name
+            key = "proxmox_" + name.replace(".", "_")
+            out[key] = log.read_text().splitlines() if log.exists() else []
     finally:
         send_home_by_hand()
 

@@ -157,10 +157,9 @@ def test_the_proxmox_hookscript_moves_the_pair_and_brings_it_home(guest):
     start = guest["proxmox_start"]
     assert start["rc"] == 0, start["stderr"]
     assert start["drivers"] == VFIO
-    leases = start["status"]["leases"]
-    assert [(lease["claimant"], lease["mode"]) for lease in leases] == [
-        ("proxmox:100", "exclusive")
-    ]
+    leases = start["leases"]
+    assert [(x["claimant"], x["mode"]) for x in leases] == [("proxmox:100", "exclusive")]
+    print("\n".join(guest["proxmox_standin_times"] + guest["proxmox_hook_log"]))
     log = guest["proxmox_standin_log"]
     pre_start = next(
         i for i, line in enumerate(log) if line.endswith("hookscript 100 pre-start rc=0")

@@ -17,7 +17,7 @@ arbiter meets (docs/proxmox.md has the source read for each point):
   device's IOMMU group is bound to vfio-pci unless it is on vfio-pci already
   (pci_dev_group_bind_to_vfio), on the simulated host, and reserved for the VM
   (pci-id-reservations, `pid:`); then "QEMU" (a real process, `-id VMID` on its
-  command line) and `post-start`.
+  command line) and `post-start`, still under the lock.
 - A start can be made to fail after that (ROOT/run/VMID.fail-start): QEMU does
   not come up, the reservations go, and no post-stop runs, as in vm_start_nolock.
 - `qm shutdown|stop`: `pre-stop` (warnings only), the end of QEMU (SIGTERM;
@@ -75,6 +75,8 @@ class Pve:
     def log(self, text: str) -> None:
         with open(self.root / "standin.log", "a") as handle:
             handle.write(f"{os.getpid()} {text}\n")
+        with open(self.root / "standin.times", "a") as handle:
+            handle.write(f"{time.time():.3f} {os.getpid()} {text}\n")
 
     def settings(self, kind: str, vmid: str) -> dict[str, str]:
         """The main section's keys (a later key wins, as in parse_vm_config)."""
@@ -389,7 +391,8 @@ class Pve:
                 self.unreserve(vmid)
                 lines = self._reservations().splitlines()
                 self._write_reservations(lines + [f"{a} {vmid} pid:{pid}" for a in reserved])
-        self.hookscript(kind, vmid, "post-start")
+            # vm_start_nolock runs post-start last, still under vm_start's lock.
+            self.hookscript(kind, vmid, "post-start")
         self.log(f"{kind} start {vmid} done")
         return 0
 

@@ -109,7 +109,7 @@ def test_a_holder_that_may_not_be_stopped_refuses(sim: SimEnv) -> None:
 
 
 @pytest.mark.parametrize("phase", ["post-start", "pre-stop", "unknown-phase"])
-def test_other_phases_exit_0_at_once(sim: SimEnv, phase: str) -> None:
+def test_other_phases_of_a_vm_without_a_lease_exit_0_at_once(sim: SimEnv, phase: str) -> None:
     write_vm(sim, "100", "hostpci0: 0c:00\n")
     result = hook(sim, "100", phase)
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
@@ -292,12 +292,16 @@ def test_the_script_passes_exit_codes_through_and_keeps_stdout_empty(sim: SimEnv
     assert leases(sim) == {}
 
 
-def test_the_script_lets_only_pre_start_and_post_stop_through(sim: SimEnv, tmp_path: Path) -> None:
+def test_the_script_lets_only_pre_start_post_start_and_post_stop_through(
+    sim: SimEnv, tmp_path: Path
+) -> None:
     fake = tmp_path / "fake"
     fake.write_text('#!/bin/sh\necho "ran $*" >&2\necho stdout\nexit 3\n')
     fake.chmod(0o755)
     snippet = installed(sim, fake)
-    for phase in ("post-start", "pre-stop", "whatever"):
+    for phase in ("post-start", "post-stop"):
+        assert run_script(snippet, "100", phase).returncode == 3
+    for phase in ("pre-stop", "whatever"):
         assert (
             run_script(snippet, "100", phase).returncode,
             run_script(snippet, "100", phase).stderr,

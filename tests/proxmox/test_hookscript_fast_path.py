@@ -75,7 +75,7 @@ PLAIN = (
 )
 
 
-@pytest.mark.parametrize("phase", ["pre-start", "post-stop"])
+@pytest.mark.parametrize("phase", ["pre-start", "post-start", "post-stop"])
 def test_a_vm_without_pci_devices_imports_nothing_heavy(tmp_path: Path, phase: str) -> None:
     code, modules = imported(tmp_path, PLAIN, phase, ledger='claimant = "proxmox:1000"\n')
     assert code == 0
@@ -88,8 +88,9 @@ def test_a_vm_without_pci_devices_imports_nothing_heavy(tmp_path: Path, phase: s
         ("hostpci0: 0a:00\n", "pre-start", None),
         ("tags: Charly-Preemptible\n", "pre-start", None),
         (PLAIN, "post-stop", 'claimant = "proxmox:100"\n'),
+        (PLAIN, "post-start", 'claimant = "proxmox:100"\n'),
     ],
-    ids=["hostpci", "override-tag", "lease-in-the-ledger"],
+    ids=["hostpci", "override-tag", "lease-in-the-ledger", "post-start-of-a-lease"],
 )
 def test_what_may_concern_the_arbiter_takes_the_slow_path(
     tmp_path: Path, vm: str, phase: str, ledger: str | None

@@ -16,6 +16,7 @@ import os
 import signal
 import stat
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -346,3 +347,51 @@ def test_a_process_of_the_container_holding_the_node_is_stopped_with_it(
     node.wait_for("the container back", lambda: node.running("lxc", 200))
     node.settle()
     assert node.leases() == {} and at_home(node)
+
+
+def run_start_watcher(node: Node, created: str) -> None:
+    """The hook's start watcher (hookrun.watch_start) with the arguments pre-start gives it."""
+    argv = [str(node.config_path), str(node.state_dir), f"sim:{node.sim_dir}", WIN11, created]
+    code = (
+        "import sys; from charly_arbiter.proxmox.hookrun import watch_start; "
+        "sys.exit(watch_start(sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, *argv],
+        env=node.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_start_watcher_takes_only_a_start_that_never_reached_post_start(node: Node) -> None:
+    """A stop right after a start can take the VM's lock before the watcher does: the
+    VM then does not run and its post-stop has not run yet.  Played deterministically:
+    qmeventd's part (the stand-in's watcher) is killed before QEMU, so no post-stop
+    runs, and the watcher is run by hand: it leaves the lease of a start that reached
+    post-start alone, and releases it once that note is gone."""
+    node.write_vm(100, config_text("vm-100-win11.conf"))
+    node.write_ct(200, config_text("ct-200-jellyfin.conf"))
+    node.pct("start", "200")
+    node.qm("start", "100")
+    node.wait_for("the start watcher to end", lambda: not node.watchers())
+    created = node.leases()[WIN11].created
+    qemu = node.guest_pid("proxmox", 100)
+    qmeventd = int(Path(f"/proc/{qemu}/stat").read_text().rpartition(")")[2].split()[1])
+    os.kill(qmeventd, signal.SIGKILL)
+    os.kill(qemu, signal.SIGKILL)
+    node.wait_for("QEMU gone", lambda: not node.running("proxmox", 100))
+
+    run_start_watcher(node, created)
+    assert node.leases()[WIN11].state == "active"  # post-start ran: not a failed start
+    assert not any("did not start" in line for line in node.hook_log())
+
+    for path in (node.state_dir / "proxmox-started").iterdir():
+        path.unlink()
+    run_start_watcher(node, created)
+    assert node.leases() == {} and at_home(node) and node.running("lxc", 200)
+    assert any("did not start after its pre-start" in line for line in node.hook_log())
+    node.qm("cleanup", "100", "0", "0")  # qmeventd's, late: finds nothing to release
+    node.check("after", {JELLYFIN: True})
