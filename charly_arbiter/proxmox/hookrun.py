@@ -11,6 +11,7 @@ under the lock, so that `qm cleanup` (and the next start) is not kept waiting.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 from pathlib import Path
@@ -37,10 +38,11 @@ __all__ = ["WATCHER", "HookRun", "dispatch", "watch_start"]
 # the VM's start to end (qemu-server's start timeout is minutes at most).
 WATCHER = "watch-start"
 START_WAIT = 3600.0
+STARTED_DIR = "proxmox-started"  # one file per VM whose start reached post-start
 
 
 def dispatch(vmid: str, phase: str) -> int:
-    """`pre-start` or `post-stop` of VM `vmid` (a validated VMID)."""
+    """`pre-start`, `post-start` or `post-stop` of VM `vmid` (a validated VMID)."""
     log_setup(0, stderr=False)
     ref = Claimant.of("proxmox", vmid)
     hook = HookRun(ref, vmid)
@@ -48,6 +50,8 @@ def dispatch(vmid: str, phase: str) -> int:
         try:
             if phase == "post-stop":
                 return hook.release()
+            if phase == "post-start":
+                return hook.started()
             claim = hook.claim()
             return hook.prepare(claim) if claim is not None else 0
         finally:
@@ -99,8 +103,16 @@ class HookRun(HookSession):
             spawn_start_watch(self.config, self.ref, lease.created)
         return 0
 
+    def started(self) -> int:
+        """post-start: the start worked; its watcher must leave the lease alone."""
+        lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
+        if lease is not None:
+            write_started(self.config, self.ref, lease.created)
+        return 0
+
     def release(self) -> int:
         """post-stop: the VM's QEMU is gone (a stop, a shutdown from inside, a crash)."""
+        forget_started(self.config, self.ref)
         lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
         nested = self.nested()
         log.info("%s stopped%s", self.ref, " by the arbiter" if nested else "")
@@ -147,11 +159,38 @@ def spawn_start_watch(config: Config, ref: str, created: str) -> None:
     )
 
 
+def write_started(config: Config, ref: str, created: str) -> None:
+    """Note that the start of the lease created at `created` reached post-start."""
+    directory = config.state_dir / STARTED_DIR
+    directory.mkdir(mode=0o700, exist_ok=True)
+    (directory / _started_name(ref)).write_text(created)
+
+
+def forget_started(config: Config, ref: str) -> None:
+    (config.state_dir / STARTED_DIR / _started_name(ref)).unlink(missing_ok=True)
+
+
+def started(config: Config, ref: str, created: str) -> bool:
+    try:
+        return (config.state_dir / STARTED_DIR / _started_name(ref)).read_text() == created
+    except OSError:
+        return False
+
+
+def _started_name(ref: str) -> str:
+    """A file name that never carries the ref itself (as host/markers names them)."""
+    return hashlib.sha256(ref.encode()).hexdigest()[:32]
+
+
 def watch_start(argv: list[str]) -> int:
     """Wait for the VM's configuration lock (qemu-server holds it for the whole
-    start, pre-start included); holding it, no other start or cleanup of the VM
-    can run.  Then, if the VM does not run and the lease this start took is still
-    there, active, the start failed after pre-start: release it."""
+    start, pre-start to post-start); holding it, no other start or cleanup of the
+    VM can run.  If the start never reached post-start, the VM does not run and
+    the lease this start took is still there, active, the start failed after
+    pre-start: the release begins under the lock (a start of the VM right after
+    waits for it) and finishes after it, so a `qm cleanup` is never kept waiting.
+    A start that reached post-start is left alone, even if the VM has stopped
+    since: its post-stop will release."""
     if len(argv) != 5:
         print(
             f"charly-arbiter: usage: {WATCHER} CONFIG STATE_DIR HOST CLAIMANT CREATED",
@@ -171,15 +210,18 @@ def watch_start(argv: list[str]) -> int:
     except OSError as error:
         log.warning("%s: cannot watch its start (%s: %s)", ref, lock, error.strerror)
         return 0
-    with handle:
-        if not files.lock_within(handle, START_WAIT):
-            log.warning("%s: its start did not end within %g s; not watched", ref, START_WAIT)
-            return 0
-        arbiter = build_arbiter(config)
-        try:
+    arbiter = build_arbiter(config)
+    reason = "the start failed after pre-start"
+    try:
+        with handle:
+            if not files.lock_within(handle, START_WAIT):
+                log.warning("%s: its start did not end within %g s; not watched", ref, START_WAIT)
+                return 0
+            if started(config, ref, created):
+                return 0
             lease = arbiter.ledger.read().lease_of(claimant)
             if lease is None or lease.created != created or lease.state is not LeaseState.ACTIVE:
-                return 0  # released already (a post-stop), or another start's lease
+                return 0  # released already, or another start's lease
             if arbiter.host.is_running(claimant):
                 return 0
             log.warning(
@@ -188,11 +230,11 @@ def watch_start(argv: list[str]) -> int:
                 ref,
                 ", ".join(lease.tokens),
             )
-            arbiter.release_claimant(
-                claimant, success=False, reason="the start failed after pre-start", force=True
-            )
-        finally:
-            arbiter.host.close()
+            if not arbiter.releaser().begin(claimant, False, reason):
+                return 0
+        arbiter.releaser().finish(claimant, False, reason, takeover=arbiter.owner)
+    finally:
+        arbiter.host.close()
     return 0
 
 

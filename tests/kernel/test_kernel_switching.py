@@ -174,6 +174,9 @@ def test_the_proxmox_hookscript_moves_the_pair_and_brings_it_home(guest):
     assert stop["home"] and stop["leases_gone"], (stop, guest["proxmox_hook_log"])
     assert stop["drivers"] == HOME
     assert any(line.endswith("hookscript 100 post-stop rc=0") for line in log), log
+    # The start watcher left the start alone: it reached post-start (the stop that came
+    # right after may have taken the VM's lock first).
+    assert not any("did not start" in line for line in guest["proxmox_hook_log"])
 
 
 def test_a_failed_switch_is_undone_and_poisons_the_token(guest):
