@@ -225,16 +225,19 @@ BREAKAGES = {
 
 
 @pytest.mark.parametrize("breakage", BREAKAGES)
-def test_on_errors_pre_start_refuses_and_post_stop_exits_0(sim: SimEnv, breakage: str) -> None:
+def test_on_errors_pre_start_refuses_and_post_start_and_post_stop_exit_0(
+    sim: SimEnv, breakage: str
+) -> None:
     write_vm(sim, "100", "hostpci0: 0c:00\n")
     BREAKAGES[breakage](sim)
     refused = hook(sim, "100", "pre-start")
     assert refused.returncode == 1 and refused.stdout == "", refused
     assert refused.stderr.splitlines()[-1].startswith("charly-arbiter: ")
     assert "Traceback" not in refused.stderr
-    released = hook(sim, "100", "post-stop")
-    assert (released.returncode, released.stdout) == (0, "")
-    assert "Traceback" not in released.stderr
+    for phase in ("post-start", "post-stop"):
+        result = hook(sim, "100", phase)
+        assert (result.returncode, result.stdout) == (0, ""), (phase, result.stderr)
+        assert "Traceback" not in result.stderr
 
 
 def test_post_stop_releases_a_vm_whose_hostpci_lines_are_gone(sim: SimEnv) -> None:
