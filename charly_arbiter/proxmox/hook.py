@@ -5,8 +5,9 @@ exec_hookscript) at `pre-start` (a non-zero exit aborts the start),
 `post-start`, `pre-stop` (only for a stop through the API) and `post-stop`
 (from `qm cleanup`, after every end of the QEMU process, a crash included).
 The arbiter claims at `pre-start`, notes at `post-start` that the start worked
-(for the start watcher of hookrun), and releases at `post-stop`; `pre-stop`
-exits 0 at once (hooks/proxmox does not even start Python for it).
+(a file named by the VMID under the state directory, for hookrun's start
+watcher; written here, without the slow path), and releases at `post-stop`;
+`pre-stop` exits 0 at once (hooks/proxmox does not even start Python for it).
 
 The path for a VM that names no PCI device imports almost nothing (`os` and
 `sys`): it reads the VM's configuration file and scans the bytes of its main
@@ -35,6 +36,8 @@ MAX_CONFIG = 1 << 20
 DEFAULT_PVE = b"/etc/pve"
 DEFAULT_STATE = b"/var/lib/charly-arbiter"
 ENV_STATE_DIR = "CHARLY_ARBITER_STATE_DIR"
+# STATE/proxmox-started/VMID: the start reached post-start (hookrun.STARTED_DIR).
+STARTED_DIR = b"proxmox-started"
 # Without one of these in its main section a VM cannot claim (vmconf's rules).
 CLAIM_MARKERS = (b"hostpci", b"charly-")
 USAGE = "usage: charly-arbiter hook proxmox VMID PHASE"
@@ -78,10 +81,15 @@ def _dispatch(vmid: str, phase: str) -> int:
         )
         return 1
     try:
+        if phase == "post-start":
+            _note_started(vmid)
+            return 0
         if not _may_concern(vmid, phase):
             return 0  # the fast path: nothing to claim, nothing to release
     except _Unsure:
-        pass
+        if phase == "post-start":
+            return 0  # the watcher then asks whether the VM runs
+
     from charly_arbiter.proxmox import hookrun
 
     return hookrun.dispatch(vmid, phase)
@@ -94,14 +102,8 @@ def valid_vmid(text: str) -> bool:
 
 def _may_concern(vmid: str, phase: str) -> bool:
     """False only when sure: the VM's main section names no PCI device and no
-    override (at pre-start and post-stop), and the ledger does not name the VM
-    (at post-start and post-stop)."""
-    scan = scan_config(None)
-    if scan is None:
-        raise _Unsure
-    settings = scan[1]
-    if phase == "post-start":
-        return _in_ledger(vmid, settings)
+    override, and (at post-stop) the ledger does not name the VM."""
+    settings = _settings()
     pve = setting(settings, b"config_dir") or DEFAULT_PVE
     # No file at pre-start (a container, or a wrong config_dir): the slow path says
     # which.  At post-stop, qm cleanup runs only while the file exists; the ledger decides.
@@ -112,9 +114,39 @@ def _may_concern(vmid: str, phase: str) -> bool:
 
 
 def _in_ledger(vmid: str, settings: bytes) -> bool:
-    state = os.environ.get(ENV_STATE_DIR, "").encode() or setting(settings, b"state_dir")
-    ledger = _read((state or DEFAULT_STATE) + b"/ledger.toml", missing=b"")
+    ledger = _read(_state_dir(settings) + b"/ledger.toml", missing=b"")
     return b'"proxmox:' + vmid.encode() + b'"' in ledger
+
+
+def _note_started(vmid: str) -> None:
+    """post-start of a VM that holds a lease: STATE/proxmox-started/VMID (pre-start
+    removed it before claiming).  The VMID is checked, so it is a safe file name."""
+    settings = _settings()
+    if not _in_ledger(vmid, settings):
+        return
+    directory = _state_dir(settings) + b"/" + STARTED_DIR
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        fd = os.open(
+            directory + b"/" + vmid.encode(),
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+        )
+        os.close(fd)
+    except OSError:
+        raise _Unsure from None
+
+
+def _settings() -> bytes:
+    scan = scan_config(None)
+    if scan is None:
+        raise _Unsure
+    return scan[1]
+
+
+def _state_dir(settings: bytes) -> bytes:
+    state = os.environ.get(ENV_STATE_DIR, "").encode() or setting(settings, b"state_dir")
+    return state or DEFAULT_STATE
 
 
 def may_claim(config: bytes) -> bool:

@@ -11,7 +11,6 @@ under the lock, so that `qm cleanup` (and the next start) is not kept waiting.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import sys
 from pathlib import Path
@@ -38,11 +37,12 @@ __all__ = ["WATCHER", "HookRun", "dispatch", "watch_start"]
 # the VM's start to end (qemu-server's start timeout is minutes at most).
 WATCHER = "watch-start"
 START_WAIT = 3600.0
-STARTED_DIR = "proxmox-started"  # one file per VM whose start reached post-start
+# STATE/proxmox-started/VMID, which hook.py writes at post-start (its STARTED_DIR).
+STARTED_DIR = "proxmox-started"
 
 
 def dispatch(vmid: str, phase: str) -> int:
-    """`pre-start`, `post-start` or `post-stop` of VM `vmid` (a validated VMID)."""
+    """`pre-start` or `post-stop` of VM `vmid` (a validated VMID)."""
     log_setup(0, stderr=False)
     ref = Claimant.of("proxmox", vmid)
     hook = HookRun(ref, vmid)
@@ -50,8 +50,6 @@ def dispatch(vmid: str, phase: str) -> int:
         try:
             if phase == "post-stop":
                 return hook.release()
-            if phase == "post-start":
-                return hook.started()
             claim = hook.claim()
             return hook.prepare(claim) if claim is not None else 0
         finally:
@@ -83,6 +81,7 @@ class HookRun(HookSession):
         return preemption_policy(self.config)
 
     def prepare(self, claim: VmClaim) -> int:
+        forget_started(self.config, self.vmid)  # post-start of this start notes it again
         plan = self.arbiter().acquire(
             self.ref,
             claim.mode,
@@ -103,16 +102,9 @@ class HookRun(HookSession):
             spawn_start_watch(self.config, self.ref, lease.created)
         return 0
 
-    def started(self) -> int:
-        """post-start: the start worked; its watcher must leave the lease alone."""
-        lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
-        if lease is not None:
-            write_started(self.config, self.ref, lease.created)
-        return 0
-
     def release(self) -> int:
         """post-stop: the VM's QEMU is gone (a stop, a shutdown from inside, a crash)."""
-        forget_started(self.config, self.ref)
+        forget_started(self.config, self.vmid)
         lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
         nested = self.nested()
         log.info("%s stopped%s", self.ref, " by the arbiter" if nested else "")
@@ -159,27 +151,13 @@ def spawn_start_watch(config: Config, ref: str, created: str) -> None:
     )
 
 
-def write_started(config: Config, ref: str, created: str) -> None:
-    """Note that the start of the lease created at `created` reached post-start."""
-    directory = config.state_dir / STARTED_DIR
-    directory.mkdir(mode=0o700, exist_ok=True)
-    (directory / _started_name(ref)).write_text(created)
+def forget_started(config: Config, vmid: str) -> None:
+    """Remove hook.py's post-start note of the VM (a validated VMID names it)."""
+    (config.state_dir / STARTED_DIR / vmid).unlink(missing_ok=True)
 
 
-def forget_started(config: Config, ref: str) -> None:
-    (config.state_dir / STARTED_DIR / _started_name(ref)).unlink(missing_ok=True)
-
-
-def started(config: Config, ref: str, created: str) -> bool:
-    try:
-        return (config.state_dir / STARTED_DIR / _started_name(ref)).read_text() == created
-    except OSError:
-        return False
-
-
-def _started_name(ref: str) -> str:
-    """A file name that never carries the ref itself (as host/markers names them)."""
-    return hashlib.sha256(ref.encode()).hexdigest()[:32]
+def started(config: Config, vmid: str) -> bool:
+    return (config.state_dir / STARTED_DIR / vmid).exists()
 
 
 def watch_start(argv: list[str]) -> int:
@@ -217,7 +195,7 @@ def watch_start(argv: list[str]) -> int:
             if not files.lock_within(handle, START_WAIT):
                 log.warning("%s: its start did not end within %g s; not watched", ref, START_WAIT)
                 return 0
-            if started(config, ref, created):
+            if started(config, claimant.name):
                 return 0
             lease = arbiter.ledger.read().lease_of(claimant)
             if lease is None or lease.created != created or lease.state is not LeaseState.ACTIVE:

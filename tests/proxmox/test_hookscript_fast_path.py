@@ -88,9 +88,8 @@ def test_a_vm_without_pci_devices_imports_nothing_heavy(tmp_path: Path, phase: s
         ("hostpci0: 0a:00\n", "pre-start", None),
         ("tags: Charly-Preemptible\n", "pre-start", None),
         (PLAIN, "post-stop", 'claimant = "proxmox:100"\n'),
-        (PLAIN, "post-start", 'claimant = "proxmox:100"\n'),
     ],
-    ids=["hostpci", "override-tag", "lease-in-the-ledger", "post-start-of-a-lease"],
+    ids=["hostpci", "override-tag", "lease-in-the-ledger"],
 )
 def test_what_may_concern_the_arbiter_takes_the_slow_path(
     tmp_path: Path, vm: str, phase: str, ledger: str | None
@@ -99,8 +98,23 @@ def test_what_may_concern_the_arbiter_takes_the_slow_path(
     assert "charly_arbiter.proxmox.hookrun" in modules
 
 
+@pytest.mark.parametrize("leased", [True, False])
+def test_post_start_notes_a_leased_vms_start_without_the_slow_path(
+    tmp_path: Path, leased: bool
+) -> None:
+    ledger = 'claimant = "proxmox:100"\n' if leased else 'claimant = "proxmox:1000"\n'
+    code, modules = imported(tmp_path, "hostpci0: 0a:00\n", "post-start", ledger)
+    assert code == 0
+    assert not {m for m in modules if m.startswith(LIGHT_FORBIDDEN)}, sorted(modules)
+    assert (tmp_path / "state" / "proxmox-started" / "100").exists() == leased
+
+
 def test_the_markers_are_the_claim_rules_words() -> None:
+    from charly_arbiter.proxmox.hook import STARTED_DIR
+    from charly_arbiter.proxmox.hookrun import STARTED_DIR as WATCHED
     from charly_arbiter.proxmox.vmconf import DESCRIPTION_MARKER, TAG_PREFIX
+
+    assert STARTED_DIR.decode() == WATCHED  # spelt twice: the fast path imports neither
 
     assert set(CLAIM_MARKERS) == {b"hostpci", TAG_PREFIX.encode()}
     assert DESCRIPTION_MARKER.startswith(TAG_PREFIX)
