@@ -110,3 +110,15 @@ def test_on_a_host_that_is_no_proxmox_node_its_guests_cost_nothing(tmp_path: Pat
     from charly_arbiter.proxmox.holders import ProxmoxHolders
 
     assert isinstance(holder_sources("proxmox:100")["proxmox"](config), ProxmoxHolders)
+
+
+@pytest.mark.parametrize("kind", ["proxmox", "lxc"])
+def test_a_proxmox_claimant_is_a_vmid(kind: str) -> None:
+    from charly_arbiter.core.model import Claimant
+    from charly_arbiter.errors import InvalidClaimant
+
+    for vmid in ("100", "4242", "999999999"):
+        assert Claimant.parse(f"{kind}:{vmid}").name == vmid
+    for bad in ("99", "1000000000", "0100", "abc", "1e3", "100 ", "\uff11\uff10\uff10", "-100"):
+        with pytest.raises(InvalidClaimant, match="VMID from 100 to 999999999"):
+            Claimant.parse(f"{kind}:{bad}")
