@@ -34,7 +34,7 @@ COCKPIT_FILES := $(wildcard cockpit/*.html cockpit/*.js cockpit/*.css cockpit/ma
 # (a conffile would stay behind).
 HOOK ?= $(SYSCONFDIR)/libvirt/hooks/qemu.d/charly-arbiter
 # The OCI hook: its programs (the hook, the runtime wrapper for Docker, the Ollama
-# drain) under LIBEXECDIR, and the hooks.d file where Podman and CRI-O look without
+# drain) under LIBEXECDIR, with the Proxmox VE hookscript, and the hooks.d file where Podman and CRI-O look without
 # configuration (they read no /usr/local or /etc directory unless told to).
 OCIHOOKSDIR ?= /usr/share/containers/oci/hooks.d
 OCILIBEXEC = $(LIBEXECDIR)/charly-arbiter
@@ -86,6 +86,10 @@ install-data: man completions
 			> $(DESTDIR)$(OCILIBEXEC)/$$(basename $$program) && \
 		chmod 0755 $(DESTDIR)$(OCILIBEXEC)/$$(basename $$program) || exit 1; \
 	done
+	@# the Proxmox VE hookscript: an administrator copies it into a snippets storage
+	sed 's|^CHARLY_ARBITER=/usr/bin/charly-arbiter$$|CHARLY_ARBITER=$(BINDIR)/charly-arbiter|' \
+		hooks/proxmox > $(DESTDIR)$(OCILIBEXEC)/proxmox-hookscript
+	chmod 0755 $(DESTDIR)$(OCILIBEXEC)/proxmox-hookscript
 	sed 's|/usr/libexec/charly-arbiter/|$(OCILIBEXEC)/|g' hooks/charly-arbiter.json \
 		> $(DESTDIR)$(OCIHOOKSDIR)/charly-arbiter.json
 	chmod 0644 $(DESTDIR)$(OCIHOOKSDIR)/charly-arbiter.json

@@ -6,31 +6,38 @@ is also where the layers meet: the host gets its holder sources from here
 (libvirt's domains live above it, in `libvirt/`), and `subject`, the domain or
 container a hook runs for (`libvirt:NAME`, `container:NAME`), reaches the
 source of its kind as an argument, never through the environment.  Each
-source is imported only when a ref of its kind comes up.
+source is imported only when a ref of its kind comes up: libvirt's domains,
+and Proxmox's VMs and containers (`proxmox/`), live above `host/`.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import Config, load_config
-from charly_arbiter.core.host import Host
+from charly_arbiter.core.host import Holder, Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, ProcessRef
 from charly_arbiter.core.planner import NO_POLICY, Policy
+from charly_arbiter.errors import HolderError
 from charly_arbiter.host.holders import HolderSource, SourceFactory
 from charly_arbiter.host.markers import is_acting
 from charly_arbiter.host.run import spawn_detached
 from charly_arbiter.logsetup import log_setup
 
+if TYPE_CHECKING:
+    from charly_arbiter.proxmox.holders import DeviceNodes
+
 # The detached release's first argument (and its name in ps): a hook hands the rest
 # of a release that brings holders back to a process of its own (see below).
 DETACHED = "finish-release"
 # Every kind a holder or claimant ref may have (`KIND:NAME`) that a source answers for.
-HOLDER_KINDS = ("process", "systemd", "container", "libvirt")
+HOLDER_KINDS = ("process", "systemd", "container", "libvirt", "proxmox", "lxc")
 
 
 def holder_sources(subject: str | None = None) -> dict[str, SourceFactory]:
@@ -60,7 +67,66 @@ def holder_sources(subject: str | None = None) -> dict[str, SourceFactory]:
 
         return LibvirtHolders(config, subject=subject_of("libvirt"))
 
-    return {"process": processes, "systemd": systemd, "container": containers, "libvirt": domains}
+    def proxmox_vms(config: Config) -> HolderSource:
+        if not (config.proxmox.config_dir / "qemu-server").is_dir():
+            return NoGuests("proxmox")
+        from charly_arbiter.proxmox.holders import ProxmoxHolders
+
+        return ProxmoxHolders(config, subject=subject_of("proxmox"))
+
+    def proxmox_containers(config: Config) -> HolderSource:
+        if not (config.proxmox.config_dir / "lxc").is_dir():
+            return NoGuests("lxc")
+        from charly_arbiter.proxmox.holders import LxcHolders
+
+        return LxcHolders(config, device_nodes(config))
+
+    return {
+        "process": processes,
+        "systemd": systemd,
+        "container": containers,
+        "libvirt": domains,
+        "proxmox": proxmox_vms,
+        "lxc": proxmox_containers,
+    }
+
+
+class NoGuests:
+    """Proxmox guests on a host that is no Proxmox VE node (its configuration
+    directory is missing): none to find, none running, and the Proxmox modules are
+    never imported for a claim there."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
+        return []
+
+    def is_running(self, ref: Claimant) -> bool:
+        return False
+
+    def stop(self, ref: Claimant) -> None:
+        raise HolderError(ref, "stop", "this host is no Proxmox VE node")
+
+    def start(self, ref: Claimant) -> None:
+        raise HolderError(ref, "start", "this host is no Proxmox VE node")
+
+
+def device_nodes(config: Config) -> DeviceNodes:
+    """This host's /dev and which GPU function a character device is a node of: the
+    machine's own, or a simulated host's (its nodes are files under DIR/dev)."""
+    from charly_arbiter.proxmox.holders import DeviceNodes
+
+    if config.host.startswith("sim:"):
+        from charly_arbiter.host.sim import SimHost
+
+        sim = SimHost(Path(config.host.removeprefix("sim:")), config.timeouts.driver_switch)
+        return DeviceNodes(sim.dev_root, sim.device_functions)
+    from charly_arbiter.host.devnodes import device_functions
+    from charly_arbiter.host.sysfs import Roots
+
+    roots = Roots()
+    return DeviceNodes(roots.dev, lambda numbers: device_functions(roots.sys, roots.proc, numbers))
 
 
 def open_host(config: Config, *, subject: str | None = None) -> Host:

@@ -31,6 +31,7 @@ def test_example_config_with_every_example_enabled_parses(tmp_path):
     ollama = config.holder("systemd:ollama.service")
     assert ollama is not None and ollama.drains_only and ollama.drain and ollama.ready
     assert config.tokens[0].cdi_devices == ("nvidia.com/gpu=0",)
+    assert (config.proxmox.node, config.proxmox.preemption) == ("pve1", "stop")
 
 
 def test_the_drain_examples_parse_as_arbiter_toml(tmp_path):

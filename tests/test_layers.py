@@ -1,6 +1,6 @@
 """The layers of docs/architecture.md, checked on the code's own imports.
 
-Arrows run one way: cli -> libvirt / oci / ops / compose -> host -> core (errors
+Arrows run one way: cli -> libvirt / oci / proxmox / ops / compose -> host -> core (errors
 and logsetup at the bottom).  Every import counts, at module level or inside a
 function or an `if TYPE_CHECKING:` block: a lazy import is still a dependency.
 No module may take part in an import circle.
@@ -21,8 +21,9 @@ ALLOWED = {
     "ops": {"core", "host", "ops", *BOTTOM},
     "libvirt": {"core", "host", "ops", "libvirt", "compose", *BOTTOM},
     "oci": {"core", "host", "ops", "oci", "compose", *BOTTOM},
-    "compose": {"core", "host", "ops", "libvirt", *BOTTOM},
-    "cli": {"core", "host", "ops", "libvirt", "oci", "compose", "cli", *BOTTOM},
+    "proxmox": {"core", "host", "ops", "proxmox", "compose", *BOTTOM},
+    "compose": {"core", "host", "ops", "libvirt", "proxmox", *BOTTOM},
+    "cli": {"core", "host", "ops", "libvirt", "oci", "proxmox", "compose", "cli", *BOTTOM},
     "main": {"cli", *BOTTOM},
     "errors": {"errors"},
     "logsetup": {"logsetup"},

@@ -47,8 +47,9 @@ def test_linter_is_clean(argv: list[str]) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_hook_script_is_posix_sh() -> None:
-    hook = REPO / "hooks" / "qemu"
-    assert hook.exists(), "hooks/qemu is missing"
+@pytest.mark.parametrize("name", ["qemu", "proxmox"])
+def test_hook_script_is_posix_sh(name: str) -> None:
+    hook = REPO / "hooks" / name
+    assert hook.exists(), f"hooks/{name} is missing"
     result = subprocess.run(["/bin/sh", "-n", str(hook)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

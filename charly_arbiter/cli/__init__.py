@@ -3,7 +3,9 @@
 Commands live one concept per module and are imported only when used.  The
 hooks bypass click entirely: the libvirt hook (`charly-arbiter hook qemu …`)
 runs on every VM start and stop, the OCI hook (`charly-arbiter hook oci`) on
-every container's, and their paths must import almost nothing.
+every container's, the Proxmox hookscript (`charly-arbiter hook proxmox`) on
+every start and stop of the VMs it is attached to, and their paths must import
+almost nothing.
 
 Errors are turned into one or two sentences on stderr here, at one boundary;
 a traceback only with `-v`.
@@ -44,6 +46,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
         from charly_arbiter.oci.hook import main as oci_main
 
         sys.exit(oci_main(args[2:]))
+    if args[:2] == ["hook", "proxmox"]:
+        from charly_arbiter.proxmox.hook import main as proxmox_main
+
+        sys.exit(proxmox_main(args[2:]))
     if args[:2] == ["hook", "oci-inject"]:
         from charly_arbiter.oci.inject import main as inject_main
 

@@ -127,6 +127,31 @@ class HolderConfig:
 
 
 @dataclass(frozen=True)
+class ProxmoxConfig:
+    """Where a Proxmox VE host keeps what the hookscript reads (`[proxmox]`): the
+    cluster file system, qemu-server's run directory (its PCI reservations) and
+    lock directory (a VM's configuration lock), the `qm` and `pct` programs, and
+    this node's name (the PCI mapping file has an entry per node).  The defaults
+    are Proxmox's own; tests point them elsewhere."""
+
+    config_dir: Path = Path("/etc/pve")
+    run_dir: Path = Path("/run/qemu-server")
+    lock_dir: Path = Path("/var/lock/qemu-server")  # qemu-server's lock-VMID.conf flocks
+    qm: str = "/usr/sbin/qm"
+    pct: str = "/usr/sbin/pct"
+    node: str = ""  # "": this host's name, as Proxmox's nodename() takes it
+    preemption: str = "stop"  # "refuse": a VM's start never stops another VM
+
+    @property
+    def node_name(self) -> str:
+        return self.node or os.uname().nodename.split(".", 1)[0]
+
+
+PROXMOX_KEYS = {"config_dir", "run_dir", "lock_dir", "qm", "pct", "node", "preemption"}
+_NODE_NAME = re.compile(r"[a-zA-Z0-9]([a-zA-Z0-9-]*[a-zA-Z0-9])?")
+
+
+@dataclass(frozen=True)
 class Config:
     path: Path | None = None
     state_dir: Path = DEFAULT_STATE_DIR
@@ -141,6 +166,7 @@ class Config:
     holders: tuple[HolderConfig, ...] = ()  # arbiter.toml's, then attached.d's
     # Where a configuration without a file keeps attached.d (a simulated host's DIR).
     home: Path | None = None
+    proxmox: ProxmoxConfig = field(default_factory=ProxmoxConfig)
 
     @property
     def attached_dir(self) -> Path:
@@ -261,6 +287,7 @@ def _parse(path: Path, table: dict[str, Any]) -> Config:
         "timeouts",
         "tokens",
         "holders",
+        "proxmox",
     }
     reader.no_unknown_keys(table, known, "")
     defaults = Config()
@@ -296,6 +323,30 @@ def _parse(path: Path, table: dict[str, Any]) -> Config:
         timeouts=timeouts,
         tokens=tokens,
         holders=holders,
+        proxmox=_parse_proxmox(reader, reader.get(table, "proxmox", dict, {})),
+    )
+
+
+def _parse_proxmox(reader: _Reader, table: dict[str, Any]) -> ProxmoxConfig:
+    reader.no_unknown_keys(table, PROXMOX_KEYS, "proxmox.")
+    defaults = ProxmoxConfig()
+    paths = {}
+    for name in ("config_dir", "run_dir", "lock_dir", "qm", "pct"):
+        value = reader.get(table, name, str, str(getattr(defaults, name)), f"proxmox.{name}")
+        if not value.startswith("/") or not value.isprintable():
+            raise ConfigError(reader.path, f"proxmox.{name}", f"{value!r} is not an absolute path")
+        paths[name] = value
+    node = reader.get(table, "node", str, "", "proxmox.node")
+    if node and _NODE_NAME.fullmatch(node) is None:
+        raise ConfigError(reader.path, "proxmox.node", f"{node!r} is not a Proxmox node name")
+    return ProxmoxConfig(
+        config_dir=Path(paths["config_dir"]),
+        run_dir=Path(paths["run_dir"]),
+        lock_dir=Path(paths["lock_dir"]),
+        qm=paths["qm"],
+        pct=paths["pct"],
+        node=node,
+        preemption=reader.choice(table, "preemption", PREEMPTION_POLICIES, "proxmox.preemption"),
     )
 
 

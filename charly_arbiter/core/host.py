@@ -143,7 +143,8 @@ class Holder:
     `passthrough` is true for a holder that has the GPU passed through (a VM's
     PCI hostdev): it needs the GPU off its home driver, so nothing shares the GPU
     beside it; every other holder uses the GPU on its home driver, beside shared
-    claimants.
+    claimants.  `made_preemptible` says how an operator lets claims stop it, where
+    that is not arbiter.toml (a refusal shows it).
     """
 
     ref: Claimant
@@ -154,6 +155,7 @@ class Holder:
     detail: str = ""
     restartable: bool = True
     passthrough: bool = False
+    made_preemptible: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ref", Claimant.parse(self.ref))

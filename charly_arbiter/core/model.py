@@ -76,6 +76,19 @@ def _process_problem(name: str) -> str | None:
     return None
 
 
+# Proxmox VE guests (`proxmox:VMID` VMs, `lxc:CTID` containers) are named by the
+# VMID Proxmox gives them: 100 to 999999999, written without leading zeros
+# (pve-common's pve-vmid format), so that one guest has one claimant name.
+_VMID = re.compile(r"[1-9][0-9]{2,8}")
+VMID_KINDS = ("proxmox", "lxc")
+
+
+def _vmid_problem(name: str) -> str | None:
+    if _VMID.fullmatch(name) is None:
+        return "a Proxmox guest is named by its VMID, a number from 100 to 999999999"
+    return None
+
+
 def _persistence_problem(name: str) -> str | None:
     if _PCI.fullmatch(name) is None:
         return "an nvidia-persistence holder is named after its GPU's PCI address"
@@ -90,8 +103,10 @@ KINDS = {
     "container": _container_problem,
     "process": _process_problem,
     "nvidia-persistence": _persistence_problem,
+    "proxmox": _vmid_problem,
+    "lxc": _vmid_problem,
 }
-CLAIMANT_KINDS = ("libvirt", "systemd", "container", "process")
+CLAIMANT_KINDS = ("libvirt", "systemd", "container", "process", "proxmox", "lxc")
 
 
 def target_label(driver: str) -> str:

@@ -531,7 +531,8 @@ def _refuse_unless_preemptible(
             _label(token),
             claimant,
             f"it is in use by {holder.ref}{detail}, which is not preemptible",
-            hint=f"stop {holder.ref} first, or mark it preemptible in arbiter.toml",
+            hint=f"stop {holder.ref} first, or "
+            + (holder.made_preemptible or "mark it preemptible in arbiter.toml"),
         )
     _refuse_by_policy(holder.ref, detail, claimant, token, policy)
 

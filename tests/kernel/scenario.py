@@ -235,6 +235,86 @@ def scenario_holder_terminated_then_release(out: dict[str, Any]) -> None:
         send_home_by_hand()
 
 
+def scenario_proxmox(out: dict[str, Any]) -> None:
+    """The Proxmox hookscript (hooks/proxmox as a snippet) run by the qm stand-in of
+    tests/proxmox, on this real kernel: pre-start moves the pair to the real
+    vfio-pci before qemu-server's own PCI step (the stand-in records what it finds),
+    post-stop (from the cleanup after "QEMU" ends) brings both functions home."""
+    root = Path("/run/pve-node")
+    for directory in ("pve/qemu-server", "pve/lxc", "run/qemu-server", "lock", "snippets", "bin"):
+        (root / directory).mkdir(parents=True, exist_ok=True)
+    config = make_config("proxmox")
+    config.write_text(
+        f'hook_log = "{root}/hook.log"\n'
+        + config.read_text()
+        + f'\n[proxmox]\nconfig_dir = "{root}/pve"\nrun_dir = "{root}/run/qemu-server"\n'
+        + f'lock_dir = "{root}/lock"\nqm = "{root}/bin/qm"\npct = "{root}/bin/pct"\n'
+    )
+    standin = REPO / "tests" / "proxmox" / "pve_standin.py"
+    for program in ("qm", "pct"):
+        write(
+            root / "bin" / program,
+            f'#!/bin/sh\nexec {sys.executable} {standin} {root} {program} "$@"\n',
+        )
+        (root / "bin" / program).chmod(0o755)
+    wrapper = root / "bin" / "charly-arbiter"
+    write(
+        wrapper,
+        f"#!/bin/sh\nexport CHARLY_ARBITER_CONFIG={config} PYTHONPATH={REPO}\n"
+        f'exec {sys.executable} -m charly_arbiter "$@"\n',
+    )
+    wrapper.chmod(0o755)
+    hookscript = (REPO / "hooks" / "proxmox").read_text()
+    write(
+        root / "snippets" / "charly-arbiter.sh",
+        hookscript.replace("/usr/bin/charly-arbiter", str(wrapper)),
+    )
+    (root / "snippets" / "charly-arbiter.sh").chmod(0o755)
+    write(
+        root / "pve" / "qemu-server" / "100.conf",
+        "hookscript: local:snippets/charly-arbiter.sh\nhostpci0: 00:02,pcie=1,x-vga=1\nname: vm\n",
+    )
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
+
+    def qm(*args: str) -> dict[str, Any]:
+        started = time.monotonic()
+        result = subprocess.run(
+            [str(root / "bin" / "qm"), *args], capture_output=True, text=True, env=env, timeout=180
+        )
+        return {
+            "rc": result.returncode,
+            "stderr": result.stderr,
+            "seconds": round(time.monotonic() - started, 2),
+        }
+
+    from charly_arbiter.core.ledger import Ledger
+
+    def leases() -> list[dict[str, Any]]:
+        state = Ledger(Path("/run/state-proxmox")).read()
+        return [{"claimant": str(x.claimant), "mode": str(x.mode)} for x in state.leases]
+
+    try:
+        started = qm("start", "100")
+        out["proxmox_start"] = {**started, "drivers": drivers(), "leases": leases()}
+        stopped = qm("stop", "100")
+        home = wait_for(lambda: drivers() == HOME, 60)
+        leases_gone = wait_for(lambda: leases() == [], 30)
+        post_stop = root / "standin.log"
+        wait_for(lambda: "hookscript 100 post-stop" in post_stop.read_text(), 30)
+        out["proxmox_stop"] = {
+            **stopped,
+            "home": home,
+            "leases_gone": leases_gone,
+            "drivers": drivers(),
+        }
+        for name in ("standin.log", "hook.log", "standin.times"):
+            log = root / name
+            key = "proxmox_" + name.replace(".", "_")
+            out[key] = log.read_text().splitlines() if log.exists() else []
+    finally:
+        send_home_by_hand()
+
+
 def scenario_failed_switch_poisons(out: dict[str, Any], kernel_root: str) -> None:
     """A real failure: snd_hda_intel is unloaded while the token sits on vfio-pci,
     so going home finds no driver for 02.1 (drivers_probe still succeeds)."""
@@ -444,6 +524,7 @@ def main() -> None:
             ("console", lambda: scenario_console(out)),
             ("refused", lambda: scenario_holder_refused(out)),
             ("terminated", lambda: scenario_holder_terminated_then_release(out)),
+            ("proxmox", lambda: scenario_proxmox(out)),
             ("failed_switch", lambda: scenario_failed_switch_poisons(out, kernel_root)),
             ("hung_switch", lambda: scenario_hung_switch_poisons(out)),
         ]

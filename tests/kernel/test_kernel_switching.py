@@ -148,6 +148,37 @@ def test_release_brings_both_drivers_back(guest):
     assert released["status"]["leases"] == []
 
 
+def test_the_proxmox_hookscript_moves_the_pair_and_brings_it_home(guest):
+    """hooks/proxmox run by the qm stand-in (tests/proxmox/pve_standin.py), on this
+    real kernel: pre-start moves both functions to the real vfio-pci before
+    qemu-server's own PCI step looks at them; post-stop, run by the cleanup after
+    the stand-in's QEMU process ends, sends both home."""
+    no_errors(guest, "proxmox")
+    start = guest["proxmox_start"]
+    assert start["rc"] == 0, start["stderr"]
+    assert start["drivers"] == VFIO
+    leases = start["leases"]
+    assert [(x["claimant"], x["mode"]) for x in leases] == [("proxmox:100", "exclusive")]
+    print("\n".join(guest["proxmox_standin_times"] + guest["proxmox_hook_log"]))
+    log = guest["proxmox_standin_log"]
+    pre_start = next(
+        i for i, line in enumerate(log) if line.endswith("hookscript 100 pre-start rc=0")
+    )
+    found = [line.split(" ", 1)[1] for line in log[pre_start:] if "qemu-server finds" in line]
+    assert found == [
+        f"qemu-server finds {GPU} on vfio-pci",
+        f"qemu-server finds {AUDIO} on vfio-pci",
+    ], log
+    stop = guest["proxmox_stop"]
+    assert stop["rc"] == 0, stop["stderr"]
+    assert stop["home"] and stop["leases_gone"], (stop, guest["proxmox_hook_log"])
+    assert stop["drivers"] == HOME
+    assert any(line.endswith("hookscript 100 post-stop rc=0") for line in log), log
+    # The start watcher left the start alone: it reached post-start (the stop that came
+    # right after may have taken the VM's lock first).
+    assert not any("did not start" in line for line in guest["proxmox_hook_log"])
+
+
 def test_a_failed_switch_is_undone_and_poisons_the_token(guest):
     no_errors(guest, "failed_switch")
     failed = guest["failed_switch"]

@@ -59,6 +59,12 @@ def test_installs_with_apt_and_runs_on_debian_libraries(chroot: Chroot, deb: Deb
     assert hooks_d["hook"]["path"] == OCI_HOOK and hooks_d["when"] == {"always": True}
     assert _is_executable_regular_file(chroot, OCI_HOOK)
     assert _is_executable_regular_file(chroot, "/usr/libexec/charly-arbiter/oci-runtime")
+    # The Proxmox hookscript, as Proxmox runs it for a VM this host has no file of.
+    hookscript = "/usr/libexec/charly-arbiter/proxmox-hookscript"
+    assert _is_executable_regular_file(chroot, hookscript)
+    for phase in ("post-start", "post-stop"):
+        answer = chroot.run(hookscript, "100", phase)
+        assert (answer.returncode, answer.stdout) == (0, ""), answer
     # As a runtime runs it for a container with no device: its state on stdin, nothing out.
     bundle = chroot.path("/tmp/bundle")
     bundle.mkdir()

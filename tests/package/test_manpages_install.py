@@ -254,6 +254,9 @@ def test_make_install_from_source_gives_a_working_layout(tmp_path: Path) -> None
     # The hook runs the program where this install put it: a hook still naming
     # /usr/bin/charly-arbiter would find nothing there and let every VM start unclaimed.
     assert "CHARLY_ARBITER=/usr/local/bin/charly-arbiter\n" in hook.read_text()
+    hookscript = prefix / "libexec/charly-arbiter/proxmox-hookscript"
+    assert hookscript.is_file() and os.access(hookscript, os.X_OK)
+    assert "CHARLY_ARBITER=/usr/local/bin/charly-arbiter\n" in hookscript.read_text()
     assert (destdir / "etc/charly-arbiter/arbiter.toml").is_file()
     unit = (prefix / "lib/systemd/system/charly-arbiter-reconcile.service").read_text()
     assert "ExecStart=/usr/local/bin/charly-arbiter restore --stranded" in unit

@@ -1,0 +1,206 @@
+"""`charly-arbiter hook proxmox VMID PHASE`: what the Proxmox hookscript runs.
+
+qemu-server runs a VM's hookscript with `VMID PHASE` (pve-guest-common's
+exec_hookscript) at `pre-start` (a non-zero exit aborts the start),
+`post-start`, `pre-stop` (only for a stop through the API) and `post-stop`
+(from `qm cleanup`, after every end of the QEMU process, a crash included).
+The arbiter claims at `pre-start`, notes at `post-start` that the start worked
+(a file named by the VMID under the state directory, for hookrun's start
+watcher; written here, without the slow path), and releases at `post-stop`;
+`pre-stop` exits 0 at once (hooks/proxmox does not even start Python for it).
+
+The path for a VM that names no PCI device imports almost nothing (`os` and
+`sys`): it reads the VM's configuration file and scans the bytes of its main
+section for `hostpci` and the override's `charly-`; at `post-stop` it also
+scans the ledger for a lease of the VM (its hostpci lines may have gone with
+pending changes applied at the stop).  Everything after that is `hookrun`.
+
+Contract (docs/proxmox.md): nothing on stdout; `pre-start` refuses with exit 1
+and one or two sentences on stderr (Proxmox shows them in the start task's
+log); `post-start` and `post-stop` always exit 0.  The VMID is untrusted until it is checked
+to be one (an integer from 100 to 999999999).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from charly_arbiter.hookio import say, scan_config, stdout_to_stderr
+
+HANDLED = ("pre-start", "post-start", "post-stop")
+ALWAYS_SUCCEED = ("post-start", "post-stop")
+# vmconf.MAX_CONFIG_BYTES, not imported: the fast path stays light.
+MAX_CONFIG = 1 << 20
+# core/config's defaults (ProxmoxConfig.config_dir, DEFAULT_STATE_DIR), not imported.
+DEFAULT_PVE = b"/etc/pve"
+DEFAULT_STATE = b"/var/lib/charly-arbiter"
+ENV_STATE_DIR = "CHARLY_ARBITER_STATE_DIR"
+# STATE/proxmox-started/VMID: the start reached post-start (hookrun.STARTED_DIR).
+STARTED_DIR = b"proxmox-started"
+# Without one of these in its main section a VM cannot claim (vmconf's rules).
+CLAIM_MARKERS = (b"hostpci", b"charly-")
+USAGE = "usage: charly-arbiter hook proxmox VMID PHASE"
+
+
+class _Unsure(Exception):
+    """The fast path cannot tell for certain: the slow path decides."""
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print(f"charly-arbiter: {USAGE}", file=sys.stderr)
+        return 2
+    vmid, phase = argv
+    if phase not in HANDLED:
+        return 0  # post-start, pre-stop, and phases a later Proxmox may add
+    stdout_to_stderr()
+    try:
+        return _dispatch(vmid, phase)
+    except Exception as error:  # the boundary: one sentence, and the right exit code
+        from charly_arbiter.errors import ArbiterError
+
+        if isinstance(error, ArbiterError):
+            say(str(error), error.hint)
+        else:
+            if os.environ.get("CHARLY_ARBITER_DEBUG"):
+                import traceback
+
+                traceback.print_exc()
+            say(f"internal error in the {phase} hook for VM {vmid!r}: {error!r}", None)
+        return 0 if phase in ALWAYS_SUCCEED else 1
+
+
+def _dispatch(vmid: str, phase: str) -> int:
+    if not valid_vmid(vmid):
+        if phase in ALWAYS_SUCCEED:
+            return 0
+        say(
+            f"{vmid!r} is not a Proxmox VMID (an integer from 100 to 999999999)",
+            "this hookscript is run by Proxmox as `SCRIPT VMID PHASE`",
+        )
+        return 1
+    try:
+        if phase == "post-start":
+            _note_started(vmid)
+            return 0
+        if not _may_concern(vmid, phase):
+            return 0  # the fast path: nothing to claim, nothing to release
+    except _Unsure:
+        if phase == "post-start":
+            return 0  # the watcher then asks whether the VM runs
+
+    from charly_arbiter.proxmox import hookrun
+
+    return hookrun.dispatch(vmid, phase)
+
+
+def valid_vmid(text: str) -> bool:
+    """qemu-server's pve-vmid: 100 to 999999999, no leading zero."""
+    return text.isascii() and text.isdigit() and text[0] != "0" and 3 <= len(text) <= 9
+
+
+def _may_concern(vmid: str, phase: str) -> bool:
+    """False only when sure: the VM's main section names no PCI device and no
+    override, and (at post-stop) the ledger does not name the VM."""
+    settings = _settings()
+    pve = setting(settings, b"config_dir") or DEFAULT_PVE
+    # No file at pre-start (a container, or a wrong config_dir): the slow path says
+    # which.  At post-stop, qm cleanup runs only while the file exists; the ledger decides.
+    missing = None if phase == "pre-start" else b""
+    if may_claim(_read(pve + b"/qemu-server/" + vmid.encode() + b".conf", missing)):
+        return True
+    return phase == "post-stop" and _in_ledger(vmid, settings)
+
+
+def _in_ledger(vmid: str, settings: bytes) -> bool:
+    ledger = _read(_state_dir(settings) + b"/ledger.toml", missing=b"")
+    return b'"proxmox:' + vmid.encode() + b'"' in ledger
+
+
+def _note_started(vmid: str) -> None:
+    """post-start of a VM that holds a lease: STATE/proxmox-started/VMID (pre-start
+    removed it before claiming).  The VMID is checked, so it is a safe file name."""
+    settings = _settings()
+    if not _in_ledger(vmid, settings):
+        return
+    directory = _state_dir(settings) + b"/" + STARTED_DIR
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        fd = os.open(
+            directory + b"/" + vmid.encode(),
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+        )
+        os.close(fd)
+    except OSError:
+        raise _Unsure from None
+
+
+def _settings() -> bytes:
+    scan = scan_config(None)
+    if scan is None:
+        raise _Unsure
+    return scan[1]
+
+
+def _state_dir(settings: bytes) -> bytes:
+    state = os.environ.get(ENV_STATE_DIR, "").encode() or setting(settings, b"state_dir")
+    return state or DEFAULT_STATE
+
+
+def may_claim(config: bytes) -> bool:
+    """Whether the main section (before the first `[` line) mentions hostpci or the
+    override's `charly-` (description lines and tags, any case)."""
+    main = config
+    if config.startswith(b"["):
+        main = b""
+    else:
+        cut = config.find(b"\n[")
+        if cut >= 0:
+            main = config[:cut]
+    lowered = main.lower()
+    return any(marker in lowered for marker in CLAIM_MARKERS)
+
+
+def _read(path: bytes, missing: bytes | None = None) -> bytes:
+    """A file's bytes, bounded; `missing` when it does not exist (None: unsure)."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONFIG * 16 + 1)
+    except FileNotFoundError:
+        if missing is None:
+            raise _Unsure from None
+        return missing
+    except OSError:
+        raise _Unsure from None
+    if len(data) > MAX_CONFIG * 16:
+        raise _Unsure
+    return data
+
+
+def setting(toml: bytes, key: bytes) -> bytes | None:
+    """The value of `key = "…"` in arbiter.toml, read without a TOML parser: None
+    when no line sets it; _Unsure when a line does in a way this does not read for
+    certain (escapes, a multi-line string, the key twice).  The slow path parses
+    the file properly and has the last word."""
+    if b"'''" in toml or b'"""' in toml:
+        raise _Unsure
+    found = None
+    for raw in toml.splitlines():
+        line = raw.strip()
+        if not line.startswith(key):
+            continue
+        rest = line[len(key) :].lstrip()
+        if not rest.startswith(b"="):
+            continue
+        value = rest[1:].strip()
+        quote = value[:1]
+        if quote not in (b'"', b"'"):
+            raise _Unsure
+        end = value.find(quote, 1)
+        text, tail = value[1:end], value[end + 1 :].strip()
+        if end < 0 or b"\\" in text or (tail and not tail.startswith(b"#")) or found is not None:
+            raise _Unsure
+        found = text
+    return found
