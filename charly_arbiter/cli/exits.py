@@ -256,6 +256,24 @@ TABLE: dict[str, tuple[Exit, ...]] = {
         Exit(EXIT_USAGE, "an argument that is not a stage or --engine=NAME"),
         Exit(EXIT_REFUSED, "the claim was refused (the reason on stderr, which the runtime shows)"),
     ),
+    "hook proxmox": (
+        Exit(
+            EXIT_OK,
+            "the VM may go on: no claim, a granted claim; post-start and post-stop always; "
+            "every phase the arbiter does not handle",
+        ),
+        Exit(
+            EXIT_ERROR,
+            "pre-start failed (a VM configuration it cannot read, a step): the VM does not "
+            "start (fail closed)",
+        ),
+        Exit(
+            EXIT_USAGE,
+            "not two arguments; at pre-start, a VMID that is not one, or an arbiter.toml "
+            "that is not valid: the VM does not start",
+        ),
+        Exit(EXIT_REFUSED, "pre-start refused (the reason on stderr, in the start's task log)"),
+    ),
     "hook oci-inject": (
         Exit(EXIT_OK, "the hook is in the bundle's config.json (added now or before)"),
         Exit(EXIT_ERROR, "the bundle's config.json cannot be read or written"),
@@ -263,7 +281,7 @@ TABLE: dict[str, tuple[Exit, ...]] = {
     ),
 }
 
-HOOKS = ("hook qemu", "hook oci", "hook oci-inject")
+HOOKS = ("hook qemu", "hook oci", "hook oci-inject", "hook proxmox")
 
 
 def rows(command: str) -> tuple[Exit, ...]:

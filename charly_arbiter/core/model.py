@@ -85,7 +85,7 @@ VMID_KINDS = ("proxmox", "lxc")
 
 def _vmid_problem(name: str) -> str | None:
     if _VMID.fullmatch(name) is None:
-        return "a Proxmox guest is named by its VMID, a number from 100 to 999999999"
+        return "a Proxmox guest is named by its VMID from 100 to 999999999"
     return None
 
 

@@ -60,15 +60,19 @@ def main(argv: list[str]) -> int:
     except Exception as error:  # the boundary: one sentence, and the right exit code
         from charly_arbiter.errors import ArbiterError
 
+        code = 1
         if isinstance(error, ArbiterError):
             say(str(error), error.hint)
+            code = error.exit_code
         else:
             if os.environ.get("CHARLY_ARBITER_DEBUG"):
                 import traceback
 
                 traceback.print_exc()
             say(f"internal error in the {phase} hook for VM {vmid!r}: {error!r}", None)
-        return 0 if phase in ALWAYS_SUCCEED else 1
+        # Proxmox goes on only on 0: a refused (3), unusable (2) or failed (1) pre-start
+        # aborts the start; a stop is never held back.
+        return 0 if phase in ALWAYS_SUCCEED else code
 
 
 def _dispatch(vmid: str, phase: str) -> int:
@@ -79,7 +83,7 @@ def _dispatch(vmid: str, phase: str) -> int:
             f"{vmid!r} is not a Proxmox VMID (an integer from 100 to 999999999)",
             "this hookscript is run by Proxmox as `SCRIPT VMID PHASE`",
         )
-        return 1
+        return 2
     try:
         if phase == "post-start":
             _note_started(vmid)

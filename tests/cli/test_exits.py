@@ -200,6 +200,12 @@ CASES = [
     C("hook oci-inject", 0, ("hook", "oci-inject", "{bundle}"), "bundle"),
     C("hook oci-inject", 1, ("hook", "oci-inject", "{root}"), says="cannot add"),
     C("hook oci-inject", 2, ("hook", "oci-inject"), says="usage"),
+    C("hook proxmox", 0, ("hook", "proxmox", "100", "post-stop"), "proxmox_vm", says=""),
+    C("hook proxmox", 0, ("hook", "proxmox", "100", "pre-start"), "proxmox_vm", says=""),
+    C("hook proxmox", 1, ("hook", "proxmox", "100", "pre-start"), "proxmox_bad_vm", "not a PCI"),
+    C("hook proxmox", 2, ("hook", "proxmox", "100"), says="usage"),
+    C("hook proxmox", 2, ("hook", "proxmox", "99", "pre-start"), says="not a Proxmox VMID"),
+    C("hook proxmox", 3, ("hook", "proxmox", "100", "pre-start"), "proxmox_held", "exclusively"),
 ]
 
 
@@ -248,6 +254,24 @@ def on_vfio(host: str) -> str:
     """gpu0's GPU and audio functions (the first two devices) on vfio-pci."""
     host = host.replace('driver = "nvidia"', 'driver = "vfio-pci"', 1)
     return host.replace('driver = "snd_hda_intel"', 'driver = "vfio-pci"', 1)
+
+
+def _proxmox_vm(sim: SimEnv, line: str = "hostpci0: 0a:00\n") -> None:
+    """A Proxmox node's cluster files (what [proxmox] config_dir names) with VM 100,
+    whose configuration passes gpu0 through."""
+    pve = sim.root / "pve"
+    (pve / "qemu-server").mkdir(parents=True)
+    (pve / "qemu-server" / "100.conf").write_text(f"name: vm\n{line}")
+    sim.config_path.write_text(
+        sim.config_path.read_text()
+        + f'\n[proxmox]\nconfig_dir = "{pve}"\nrun_dir = "{sim.root / "run"}"\n'
+        + f'lock_dir = "{sim.root / "lock"}"\n'
+    )
+
+
+def _proxmox_held(sim: SimEnv) -> None:
+    _proxmox_vm(sim)
+    _hold(sim)
 
 
 def _failing_start(sim: SimEnv) -> None:
@@ -351,6 +375,9 @@ SCENARIOS: dict[str, Callable[[SimEnv], Iterator[None] | None]] = {
     "failing": _failing,
     "failing_start": _failing_start,
     "unaccounted": _unaccounted,
+    "proxmox_vm": _proxmox_vm,
+    "proxmox_bad_vm": lambda sim: _proxmox_vm(sim, "hostpci0: 0A:00.0\n"),
+    "proxmox_held": _proxmox_held,
     "unaccounted_failing": _unaccounted_failing,
     "in_progress": _in_progress,
     "lock_held": _lock_held,

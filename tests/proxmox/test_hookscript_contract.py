@@ -88,12 +88,12 @@ def test_pre_start_claims_silently_and_post_stop_releases(sim: SimEnv) -> None:
     assert leases(sim) == {}
 
 
-def test_a_refused_pre_start_exits_1_naming_the_token_and_the_holder(sim: SimEnv) -> None:
+def test_a_refused_pre_start_exits_3_naming_the_token_and_the_holder(sim: SimEnv) -> None:
     write_vm(sim, "100", "hostpci0: 0c:00\n")
     write_vm(sim, "101", "hostpci0: 0c:00.0\n")
     assert hook(sim, "100", "pre-start").returncode == 0
     refused = hook(sim, "101", "pre-start")
-    assert refused.returncode == 1
+    assert refused.returncode == 3
     one_sentence(refused, "proxmox:101", "gpu2", "proxmox:100")
     assert list(leases(sim)) == ["proxmox:100"]
     # Proxmox runs no post-stop after a refused start; one run by hand changes nothing.
@@ -104,7 +104,7 @@ def test_a_refused_pre_start_exits_1_naming_the_token_and_the_holder(sim: SimEnv
 def test_a_holder_that_may_not_be_stopped_refuses(sim: SimEnv) -> None:
     write_vm(sim, "100", "hostpci0: 0b:00.0\n")
     refused = hook(sim, "100", "pre-start")
-    assert refused.returncode == 1
+    assert refused.returncode == 3
     one_sentence(refused, "gpu1", "systemd:display-manager.service")
 
 
@@ -141,7 +141,7 @@ def test_a_hostile_vmid_fails_closed_at_pre_start_and_touches_nothing(
 ) -> None:
     before = sorted(p for p in sim.root.rglob("*"))
     refused = hook(sim, vmid, "pre-start")
-    assert refused.returncode == 1
+    assert refused.returncode == 2  # usage: Proxmox never runs it so
     line = one_sentence(refused, "not a Proxmox VMID")
     assert repr(vmid) in line
     released = hook(sim, vmid, "post-stop")
@@ -231,7 +231,9 @@ def test_on_errors_pre_start_refuses_and_post_start_and_post_stop_exit_0(
     write_vm(sim, "100", "hostpci0: 0c:00\n")
     BREAKAGES[breakage](sim)
     refused = hook(sim, "100", "pre-start")
-    assert refused.returncode == 1 and refused.stdout == "", refused
+    # (A configuration that is not valid is a usage error, 2; the others are errors.)
+    assert refused.returncode == (2 if breakage == "bad-config" else 1), refused
+    assert refused.stdout == "", refused
     assert refused.stderr.splitlines()[-1].startswith("charly-arbiter: ")
     assert "Traceback" not in refused.stderr
     for phase in ("post-start", "post-stop"):
@@ -290,7 +292,7 @@ def test_the_script_passes_exit_codes_through_and_keeps_stdout_empty(sim: SimEnv
         {"proxmox:100"},
     )
     refused = run_script(snippet, "101", "pre-start")
-    assert refused.returncode == 1 and refused.stdout == "" and "gpu2" in refused.stderr
+    assert refused.returncode == 3 and refused.stdout == "" and "gpu2" in refused.stderr
     assert run_script(snippet, "100", "post-stop").returncode == 0
     assert leases(sim) == {}
 
