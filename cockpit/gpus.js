@@ -272,6 +272,7 @@ async function fetchHistory() {
         state.historyFailure = failure;
     }
     keepingFocus(renderHistory);
+    performance.mark("charly-arbiter:history");
     document.documentElement.dataset.historyRequests = String(request);
 }
 
@@ -304,6 +305,9 @@ function follow() {
                 $("page").setAttribute("aria-busy", "false");
             }
             document.documentElement.dataset.generation = String(document_.generation);
+            // What bench/bench_page.py reads: when each generation was on screen.
+            performance.mark(first ? "charly-arbiter:first-status" : "charly-arbiter:status",
+                { detail: { generation: document_.generation } });
         },
         failure => {
             stopFollowing = null;
@@ -340,6 +344,7 @@ function watchPermission() {
 }
 
 async function main() {
+    performance.mark("charly-arbiter:script");
     initDialog(notice => {
         state.notice = notice;
         keepingFocus(renderAlerts);
@@ -360,6 +365,7 @@ async function main() {
     // Ages ("3 min ago") and the timeline's "now" move on; nothing is asked again.
     setInterval(() => { if (state.status && !cockpit.hidden) renderAll() }, 30000);
     await loadConfig();
+    performance.mark("charly-arbiter:config");
     watchPermission();
     watchVisibility();
     follow();

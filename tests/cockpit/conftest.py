@@ -10,34 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cockpittools import CHROMEDRIVER, CHROMIUM, Browser, Cockpit, need, start_cockpit
+from cockpittools import Browser, Cockpit, start_chromium, start_cockpit
 
 
 @pytest.fixture(scope="session")
 def browser() -> Iterator[Browser]:
-    need(CHROMIUM, CHROMEDRIVER)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
     profile = tempfile.mkdtemp(prefix="charly-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",  # CI runs as root
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-extensions",
-        "--window-size=1280,800",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+    driver = start_chromium(Path(profile))
     try:
         session = Browser(driver)
         session.viewport(1280, 800)
