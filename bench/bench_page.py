@@ -258,7 +258,7 @@ def main() -> int:
                 time.sleep(1.5)  # its history fetched, the page idle
                 for change_args in (
                     ("acquire", "--shared", "container:bench", "gpu1"),
-                    ("release", "container:bench"),
+                    ("release", "--force", "container:bench"),
                 ):
                     status_ms, history_ms = change(browser, host, change_args)
                     shown.append(status_ms)

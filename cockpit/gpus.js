@@ -250,7 +250,7 @@ let historyTimer = null;
 
 function refreshHistory() {
     clearTimeout(historyTimer);
-    historyTimer = setTimeout(fetchHistory, 200);
+    historyTimer = setTimeout(fetchHistory, 100); // one fetch for a burst of lines
 }
 
 async function fetchHistory() {
@@ -299,7 +299,10 @@ function follow() {
             state.status = document_;
             state.failure = null;
             renderAll();
-            refreshHistory();
+            if (first)
+                fetchHistory(); // at once: the first status is already on screen
+            else
+                refreshHistory();
             if (first && !document.documentElement.dataset.firstRenderMs) {
                 document.documentElement.dataset.firstRenderMs = String(Math.round(performance.now()));
                 $("page").setAttribute("aria-busy", "false");
@@ -366,9 +369,9 @@ async function main() {
     setInterval(() => { if (state.status && !cockpit.hidden) renderAll() }, 30000);
     await loadConfig();
     performance.mark("charly-arbiter:config");
+    follow(); // first: the follower's interpreter starts while the rest is set up
     watchPermission();
     watchVisibility();
-    follow();
 }
 
 main();
