@@ -40,6 +40,7 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 PYTHON = "/usr/bin/python3"  # what the Debian package runs on
 OUTPUT = Path(os.environ.get("CHARLY_TEST_OUTPUT", REPO / "build" / "test-output")) / "cockpit"
 CLEAN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+COCKPIT_LOCK = Path("/tmp/charly-cockpit.lock")  # see conftest.browser
 
 
 def need(*paths: Path) -> None:
@@ -249,10 +250,10 @@ class Browser:
         self.driver.save_screenshot(str(path))
         assert path.stat().st_size > 10_000, f"{path} is nearly empty"
         self.shots.append(path)
-        self._back_to_page()
+        self.enter_page()
         return path
 
-    def _back_to_page(self) -> None:
+    def enter_page(self) -> None:
         from selenium.webdriver.common.by import By
 
         for frame in self.driver.find_elements(By.TAG_NAME, "iframe"):

@@ -10,20 +10,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cockpittools import Browser, Cockpit, start_chromium, start_cockpit
+from cockpittools import COCKPIT_LOCK, Browser, Cockpit, start_chromium, start_cockpit
+from machine import flocked
 
 
 @pytest.fixture(scope="session")
 def browser() -> Iterator[Browser]:
-    profile = tempfile.mkdtemp(prefix="charly-chromium-")
-    driver = start_chromium(Path(profile))
-    try:
-        session = Browser(driver)
-        session.viewport(1280, 800)
-        yield session
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
+    # One Chromium-driven session on this machine at a time (another test session,
+    # bench/bench_page.py): two compete for the CPUs and each one's waits stretch.
+    with flocked(COCKPIT_LOCK, "another Cockpit test session or bench/bench_page.py"):
+        profile = tempfile.mkdtemp(prefix="charly-chromium-")
+        driver = start_chromium(Path(profile))
+        try:
+            session = Browser(driver)
+            session.viewport(1280, 800)
+            yield session
+        finally:
+            driver.quit()
+            shutil.rmtree(profile, ignore_errors=True)
 
 
 @pytest.fixture
