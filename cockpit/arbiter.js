@@ -110,9 +110,15 @@ export function runJson(args, { admin = false, jsonOnFailure = false } = {}) {
 /* `status --json --follow`: onDocument(status) for every line, onEnd(failure|null)
  * when the process ends.  Returns a function that stops following. */
 export function followStatus(onDocument, onEnd) {
+    performance.mark("charly-arbiter:spawn");
     const process = spawn(["status", "--json", "--follow"], false);
     let buffer = "";
+    let first = true;
     process.stream(chunk => {
+        if (first) {
+            first = false;
+            performance.mark("charly-arbiter:first-output");
+        }
         buffer += chunk;
         let end;
         while ((end = buffer.indexOf("\n")) >= 0) {

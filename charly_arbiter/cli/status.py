@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import sys
 import unicodedata
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ from charly_arbiter.core.model import Lease, human_time
 from charly_arbiter.core.planner import unaccounted_hint
 from charly_arbiter.errors import cli_command
 from charly_arbiter.ops.explain import age, stranded_why
-from charly_arbiter.ops.follow import follow
+from charly_arbiter.ops.follow import FileWakeup, follow
 from charly_arbiter.ops.history import HISTORY
 
 
@@ -89,23 +88,16 @@ def _follow(app: App, interval: float) -> None:
             return False
         return True
 
+    watched = [arbiter.ledger.path, state_dir / HISTORY]
     # Ctrl-C is how a person stops a follower: its normal end, exit 0.
     with contextlib.suppress(KeyboardInterrupt):
         follow(
             produce,
-            [arbiter.ledger.path, state_dir / HISTORY],
+            watched,
             emit,
             interval=interval,
-            reader_gone=_reader_gone,
+            wakeup=lambda: FileWakeup(watched, reader=sys.stdout.fileno()),
         )
-
-
-def _reader_gone() -> bool:
-    """Whether stdout is a pipe whose reader closed it (poll says POLLERR), so that a
-    follower whose page was closed exits before it has anything to write."""
-    poller = select.poll()
-    poller.register(sys.stdout.fileno(), select.POLLOUT)
-    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
 
 
 def status_document(result: Status, attached: Sequence[HolderConfig] = ()) -> dict[str, Any]:

@@ -40,6 +40,7 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 PYTHON = "/usr/bin/python3"  # what the Debian package runs on
 OUTPUT = Path(os.environ.get("CHARLY_TEST_OUTPUT", REPO / "build" / "test-output")) / "cockpit"
 CLEAN_PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
+COCKPIT_LOCK = Path("/tmp/charly-cockpit.lock")  # see conftest.browser
 
 
 def need(*paths: Path) -> None:
@@ -77,16 +78,16 @@ class Cockpit:
                 self.process.wait(timeout=10)
 
 
-def start_cockpit(root: Path, config: dict[str, Any] | None) -> Cockpit:
-    """cockpit-ws serving this checkout's page; `config` overrides the manifest's
-    "config" (the command and its environment), None leaves the shipped default."""
+def start_cockpit(root: Path, config: dict[str, Any] | None, package: Path = PACKAGE) -> Cockpit:
+    """cockpit-ws serving the page in `package` (this checkout's); `config` overrides the
+    manifest's "config" (the command and its environment), None leaves the shipped default."""
     need(COCKPIT_WS, COCKPIT_BRIDGE)
     data = root / "data" / "cockpit"
     settings = root / "config" / "cockpit"
     home = root / "home"
     for directory in (data, settings, home):
         directory.mkdir(parents=True, exist_ok=True)
-    (data / "charly-arbiter").symlink_to(PACKAGE, target_is_directory=True)
+    (data / "charly-arbiter").symlink_to(package, target_is_directory=True)
     if config is not None:
         override = {"config": config}
         (settings / "charly-arbiter.override.json").write_text(json.dumps(override, indent=2))
@@ -129,12 +130,42 @@ def start_cockpit(root: Path, config: dict[str, Any] | None) -> Cockpit:
     raise AssertionError(f"cockpit-ws did not listen on {port} within 30 s:\n{log.read_text()}")
 
 
-def arbiter_config(config_path: Path, *, command: list[str] | None = None) -> dict[str, Any]:
-    """The override that runs this checkout's CLI on Debian's python3 against `config_path`."""
+def arbiter_config(
+    config_path: Path, *, command: list[str] | None = None, repo: Path = REPO
+) -> dict[str, Any]:
+    """The override that runs the CLI of `repo` (this checkout) on Debian's python3
+    against `config_path`."""
     return {
         "command": command or [PYTHON, "-m", "charly_arbiter"],
-        "environ": [f"PYTHONPATH={REPO}", f"CHARLY_ARBITER_CONFIG={config_path}"],
+        "environ": [f"PYTHONPATH={repo}", f"CHARLY_ARBITER_CONFIG={config_path}"],
     }
+
+
+def start_chromium(profile: Path) -> Any:
+    """Headless Chromium driven by chromedriver (Debian's selenium), kept off the network;
+    `profile` is its user data directory, the caller's to remove."""
+    need(CHROMIUM, CHROMEDRIVER)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",  # CI runs as root
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-extensions",
+        "--window-size=1280,800",
+        f"--user-data-dir={profile}",
+    ):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
 
 
 @dataclass
@@ -219,10 +250,10 @@ class Browser:
         self.driver.save_screenshot(str(path))
         assert path.stat().st_size > 10_000, f"{path} is nearly empty"
         self.shots.append(path)
-        self._back_to_page()
+        self.enter_page()
         return path
 
-    def _back_to_page(self) -> None:
+    def enter_page(self) -> None:
         from selenium.webdriver.common.by import By
 
         for frame in self.driver.find_elements(By.TAG_NAME, "iframe"):

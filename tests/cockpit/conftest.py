@@ -10,41 +10,24 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cockpittools import CHROMEDRIVER, CHROMIUM, Browser, Cockpit, need, start_cockpit
+from cockpittools import COCKPIT_LOCK, Browser, Cockpit, start_chromium, start_cockpit
+from machine import flocked
 
 
 @pytest.fixture(scope="session")
 def browser() -> Iterator[Browser]:
-    need(CHROMIUM, CHROMEDRIVER)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="charly-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",  # CI runs as root
-        "--disable-dev-shm-usage",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-extensions",
-        "--window-size=1280,800",
-        f"--user-data-dir={profile}",
-    ):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    try:
-        session = Browser(driver)
-        session.viewport(1280, 800)
-        yield session
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
+    # One Chromium-driven session on this machine at a time (another test session,
+    # bench/bench_page.py): two compete for the CPUs and each one's waits stretch.
+    with flocked(COCKPIT_LOCK, "another Cockpit test session or bench/bench_page.py"):
+        profile = tempfile.mkdtemp(prefix="charly-chromium-")
+        driver = start_chromium(Path(profile))
+        try:
+            session = Browser(driver)
+            session.viewport(1280, 800)
+            yield session
+        finally:
+            driver.quit()
+            shutil.rmtree(profile, ignore_errors=True)
 
 
 @pytest.fixture

@@ -295,6 +295,51 @@ def test_a_damaged_ledger_is_shown_and_nothing_can_be_changed(make_sim, cockpit_
     browser.screenshot("gpus-damaged-ledger")
 
 
+def test_the_first_status_then_changes_arrive_without_a_reload(make_sim, cockpit_for, browser):
+    """The first status is the CLI's, and what the CLI changes afterwards reaches the open
+    page by its one follower: a claim, then a ledger damaged in place (cards "Unknown",
+    every action disabled).  The bounds only keep a broken page from hanging the test;
+    bench/bench_page.py measures how fast it is."""
+    sim = make_sim(host=default_host())
+    sim.cli("acquire", "--shared", "container:llm", "gpu0", check=True)
+    status = sim.status()
+    cockpit = cockpit_for(arbiter_config(sim.config_path))
+    browser.viewport(1280, 800)
+    browser.open_page(cockpit)
+    first_render(browser)
+    # The first status on screen is the one `status --json` gives.
+    summary = browser.text("#summary")
+    assert summary == f"2 GPUs \u00b7 1 lease \u00b7 ledger generation {status['generation']}"
+    assert "container:llm (shared, active) since" in browser.text("#token-gpu0")
+    assert "Shared" in browser.text("#token-gpu0")
+    assert "Nobody" in browser.text("#token-gpu1")
+    driver = browser.driver
+    driver.execute_script("window.charlyLoadedOnce = true")
+    (follower,) = browser.wait(lambda d: _followers(sim.config_path), 10, "the follower")
+
+    # A claim made by the CLI: on screen, in the same page, by the same follower.
+    sim.cli("acquire", "--shared", "container:batch", "gpu1", check=True)
+    generation = sim.status()["generation"]
+    browser.wait_text("#token-gpu1", "container:batch (shared, active)", 10)
+    browser.wait_text("#summary", f"ledger generation {generation}", 10)
+    browser.wait_text("#events", "container:batch", 10)
+    assert driver.execute_script("return window.charlyLoadedOnce === true"), "the page reloaded"
+    assert _followers(sim.config_path) == [follower], "a new follower for a change"
+
+    # The ledger damaged in place (no rename): the page says so, and allows nothing.
+    ledger = sim.state_dir / "ledger.toml"
+    damaged = bytearray(ledger.read_bytes())
+    damaged[-2] ^= 0x01
+    ledger.write_bytes(bytes(damaged))
+    alert = browser.wait_text("#alert-corrupt", "The ledger is damaged", 10)
+    assert json.loads(sim.cli("status", "--json").stdout)["corrupt"] in alert
+    browser.wait_text("#token-gpu0", "Unknown: the ledger is damaged", 10)
+    assert browser.driver.find_element(By.ID, "preview").get_attribute("disabled") is not None
+    for button in browser.driver.find_elements(By.CSS_SELECTOR, "#alerts button"):
+        assert not button.is_enabled(), button.text
+    assert driver.execute_script("return window.charlyLoadedOnce === true"), "the page reloaded"
+
+
 def test_the_follower_ends_with_the_page(make_sim, cockpit_for, browser):
     """Closing the page ends its `status --follow`; while open and idle it asks nothing."""
     sim = make_sim(host=default_host())

@@ -6,14 +6,14 @@ sentence of each `history` event, and `status --json --follow`."""
 from __future__ import annotations
 
 import json
+import os
 import select
 import subprocess
 import sys
+import time
+from pathlib import Path
 
-import pytest
 from simhosts import default_host
-
-from charly_arbiter.ops.follow import follow
 
 POISONING_HOST = default_host(gpu1="fail_switch = true", dm_preemptible=True)
 
@@ -107,10 +107,14 @@ def test_follow_prints_a_line_per_change_and_ends_with_its_reader(sim):
     try:
         first = _line(follower)
         assert first == sim.status()
+        assert not sim.state_dir.exists()  # nothing to watch yet: it looks once a second
         sim.cli("acquire", "--shared", "container:llm", "gpu0", check=True)
         claimed = _line(follower)
         assert claimed["generation"] > first["generation"]
         assert claimed["tokens"]["gpu0"]["mode"] == "shared"
+        # Now there is a state directory: it waits on the kernel's word (inotify).
+        descriptors = Path(f"/proc/{follower.pid}/fd")
+        _wait_for(lambda: "anon_inode:inotify" in _links(descriptors), "an inotify descriptor")
         # A refusal writes only the history: a line all the same, for the timeline.
         assert sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu1").returncode == 3
         refused = _line(follower)
@@ -132,59 +136,18 @@ def test_follow_needs_json(sim):
     assert result.returncode == 2 and "--follow needs --json" in result.stderr
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def test_follow_looks_again_every_interval_and_prints_only_changes(tmp_path):
-    """What no file records (a claimant that died) is found by the periodic look."""
-    watched = tmp_path / "ledger.toml"
-    clock = Clock()
-    documents = iter(["a", "a", "a", "a", "b", "c"])
-    produced: list[float] = []
-    emitted: list[tuple[float, str]] = []
-
-    def produce() -> str:
-        produced.append(clock.now)
-        return next(documents)
-
-    def emit(text: str) -> bool:
-        emitted.append((clock.now, text))
-        return text != "c"  # the reader goes away after "c"
-
-    def sleep(seconds: float) -> None:
-        clock.sleep(seconds)
-        if clock.now == 12:
-            watched.write_text("a write")  # a file change: a look, and a line even if equal
-
-    follow(produce, [watched], emit, interval=5, clock=clock, sleep=sleep, tick=1)
-    assert produced == [0, 5, 10, 12, 17, 22]
-    assert emitted == [(0, "a"), (12, "a"), (17, "b"), (22, "c")]
+def _links(directory: Path) -> list[str]:
+    found = []
+    for entry in directory.iterdir():
+        try:
+            found.append(os.readlink(entry))
+        except OSError:
+            continue
+    return found
 
 
-@pytest.mark.parametrize("gone_after", [1, 3])
-def test_follow_ends_when_the_reader_is_gone_between_changes(tmp_path, gone_after):
-    clock = Clock()
-    ticks = []
-
-    def reader_gone() -> bool:
-        ticks.append(clock.now)
-        return len(ticks) >= gone_after
-
-    follow(
-        lambda: "same",
-        [tmp_path / "none"],
-        lambda text: True,
-        interval=100,
-        reader_gone=reader_gone,
-        clock=clock,
-        sleep=clock.sleep,
-    )
-    assert len(ticks) == gone_after
+def _wait_for(condition, what: str, timeout: float = 15) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
