@@ -30,7 +30,22 @@ A spec may ask for several boots in one QEMU run (`Spec.boots`): the share
 counts them, each boot gets its own payload on top of the common one, and a
 scenario may end its boot as a crash (sysrq `b`); the last boot powers off.
 Measured boot times are in each boot's `system` record (`kernel start ->
-multi-user.target / graphical.target`, from systemd's own timestamps).
+multi-user.target / graphical.target`, from systemd's own timestamps; never
+`systemd-analyze blame`, whose first call costs this guest most of a minute).
+
+Results come back through the share, not the serial console: JSON written after
+every scenario survives a crash or a timeout of the run, and is never mixed
+with the kernel's messages.  The serial console gets the runner's progress
+lines (in `Run.serial`, and serial.log beside the share).
+
+Using it (test_systemd_units.py is the example): a module of scenarios in
+tests/kernel, each `def scenario_NAME(s: sysrunner.Scenario) -> None` recording
+into `s.out` and `s.step(LABEL)` (sysfacts.py has the facts: units, journals,
+sessions, seats, inhibitors, consoles, the card's holders, the ledger), and a
+module-scoped fixture that calls `run(kernel_for_tests(...), directory,
+Spec(boots=(Boot(("a", "b"), desktop=True), ...), module=..., installed=...))`
+once; the tests read `Run.scenario(NAME)`, which fails with the scenario's
+traceback and evidence if it raised.
 """
 
 from __future__ import annotations

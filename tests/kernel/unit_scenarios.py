@@ -158,14 +158,15 @@ def claimant() -> Iterator[str]:
         process.wait()
 
 
-def start(s: Any, unit: str) -> dict[str, Any]:
-    result = systemctl("start", "--", unit)
+def start(s: Any, *units: str) -> dict[str, Any]:
+    """`systemctl start` (one call for all of `units`: systemd starts them side by side)."""
+    result = systemctl("start", "--", *units)
     s.out.setdefault("commands", []).append(result)
     return result
 
 
-def stop(s: Any, unit: str) -> dict[str, Any]:
-    result = systemctl("stop", "--", unit)
+def stop(s: Any, *units: str) -> dict[str, Any]:
+    result = systemctl("stop", "--", *units)
     s.out.setdefault("commands", []).append(result)
     return result
 
@@ -293,8 +294,8 @@ def scenario_claim_stops_units(s: Any) -> None:
     for unit in (INFER, HOLDER, mine, DRAINED):
         s.expect(f"systemd:{unit}")
     s.watch(other)
-    for unit in units:
-        start(s, unit)
+    start(s, INFER)
+    start(s, HOLDER, mine, other, DRAINED)
     wait_for(lambda: all(holding_card(u) for u in (HOLDER, mine, DRAINED)), 20)
     s.step("running", pids=main_pids(*units))
     with claimant() as me:
@@ -305,8 +306,8 @@ def scenario_claim_stops_units(s: Any) -> None:
         wait_for(lambda: all(holding_card(u) for u in (HOLDER, mine, DRAINED)), 20)
         s.step("released", pids=main_pids(*units))
     s.out["journals"] = sysfacts.journals_of(units)
+    stop(s, *units)
     for unit in units:
-        stop(s, unit)
         s.expect(f"systemd:{unit}", running=False)
     s.step("stopped")
 
