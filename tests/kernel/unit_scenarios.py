@@ -285,10 +285,7 @@ def scenario_claim_stops_units(s: Any) -> None:
     another GPU's instance runs on), one drained in place (SIGUSR1 from systemd: it lets
     go of card0 and keeps running; its `ready` command takes it again), and the shared
     attached unit (stopped: its ExecStopPost releases its lease while the claim is under
-    way; started again at release: its ExecStartPre claims again).
-
-    The shared unit starts first: the first shared claim on a GPU makes room as an
-    exclusive one does (it would stop the others), a later one shares."""
+    way; started again at release: its ExecStartPre claims again)."""
     mine, other = PERSISTENCE.format(GPU), PERSISTENCE.format(OTHER_GPU)
     units = (INFER, HOLDER, mine, other, DRAINED)
     for unit in (INFER, HOLDER, mine, DRAINED):
