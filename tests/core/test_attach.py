@@ -5,6 +5,10 @@ the unit directory on SYSTEMD_UNIT_PATH: there is no systemd PID 1 here), and
 its ExecStartPre= and ExecStopPost= commands are run as systemd would run
 them (split and unescaped the way systemd does for the quoting `attach` uses),
 against the simulated host: the unit's claim and its release land in the ledger.
+That stand-in for systemd keeps these tests fast and lets them attack the
+quoting with any unit name; systemd itself runs the drop-ins of the installed
+package in tests/kernel/test_systemd_units.py (start, stop, a refused start, a
+crash of the main process, a unit preempted by an exclusive claim).
 """
 
 from __future__ import annotations

@@ -3,10 +3,18 @@
 The service's process is real and lives in a real cgroup named like the unit,
 in the `name=systemd` hierarchy (/sys/fs/cgroup/systemd/system.slice/UNIT),
 where systemd itself puts a unit's processes; its GPU node is the fake tree's
-dev/dri/card1, which it holds open.  The outermost seam is `systemctl` (no
-systemd runs here): a small script keeps the unit's state in a file.  The
-process closes its node on SIGUSR1 (a model unloaded) and opens it again on
-SIGUSR2 (loaded again).
+dev/dri/card1, which it holds open.  The outermost seam is `systemctl`: a small
+script keeps the unit's state in a file.  It stands in for systemd here because
+these tests run on the fake sysfs tree (an NVIDIA GPU, on this machine's
+kernel), and for their faults (a drain that never lets go waits out its
+timeout, a marker from an earlier boot, an operator's stop while drained),
+which are quicker to meet here than in a guest.  The process closes its node on
+SIGUSR1 (a model unloaded) and opens it again on SIGUSR2 (loaded again).
+
+Under a real systemd (tests/kernel/test_systemd_units.py): a unit's process is
+the unit's by the cgroup systemd put it in, and a unit drained in place by
+`systemctl kill --signal=USR1` lets go of bochs-drm's card0, runs on, and takes
+it again through its `ready` command.
 """
 
 from __future__ import annotations

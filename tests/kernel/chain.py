@@ -62,6 +62,7 @@ OBSERVED = WORK / "observed.log"
 BOOTED = time.time() - float(Path("/proc/uptime").read_text().split()[0])
 OBSERVER_NAME = "a-observe"  # before "charly-arbiter": libvirt runs qemu.d in name order
 LIBVIRT_LOG = Path("/var/log/libvirt/chain-debug.log")
+ARBITER_HOOK = "/etc/libvirt/hooks/qemu.d/charly-arbiter"  # where `make install` puts it
 CLI = "/usr/bin/charly-arbiter"
 VIRSH = "/usr/bin/virsh"
 URI = "qemu:///system"
@@ -408,11 +409,23 @@ def setup(kernel_root: Path, stage: Path, out: dict[str, Any]) -> None:
         if not Path(fresh).is_symlink():
             Path(fresh).mkdir(parents=True, exist_ok=True)
             subprocess.run(["/bin/mount", "-t", "tmpfs", "tmp", fresh], check=True)
+    out["install"] = install(stage)
+    configure_libvirt()
+    out["installed_hook"] = sorted(os.listdir("/etc/libvirt/hooks/qemu.d"))
+    out["virtlogd"] = run(["/usr/sbin/virtlogd", "-d"])
+    out["libvirtd"] = start_libvirtd()
+    define_domains(out)
+
+
+def configure_libvirt() -> None:
+    """libvirt as the chain runs it, the package installed: nothing of the host's own
+    libvirt use (other hooks, domains, autostarted networks), QEMU as root without
+    cgroups, labels or namespaces, libvirtd's own steps logged, the observer hook
+    beside the arbiter's, and the nested domains' tiny kernel."""
     WORK.mkdir(parents=True, exist_ok=True)
     libvirt = Path("/etc/libvirt")
-    # Nothing of the host's own libvirt use: no other hooks, domains or autostarted
-    # networks.  libvirtd probes every QEMU it finds when it starts (a quarter of a
-    # minute each under TCG); the domains here need only qemu-system-x86_64.
+    # libvirtd probes every QEMU it finds when it starts (a quarter of a minute each
+    # under TCG); the domains here need only qemu-system-x86_64.
     strays = [
         *libvirt.glob("hooks/**/*"),
         *libvirt.glob("qemu/*.xml"),
@@ -420,18 +433,15 @@ def setup(kernel_root: Path, stage: Path, out: dict[str, Any]) -> None:
         Path("/usr/bin/qemu-system-i386"),
     ]
     for stray in strays:
-        if stray.is_file() or stray.is_symlink():
+        if stray != Path(ARBITER_HOOK) and (stray.is_file() or stray.is_symlink()):
             stray.unlink()
-    out["install"] = install(stage)
     conf = libvirt / "qemu.conf"
     text = conf.read_text()
     if QEMU_SETTINGS.strip() not in text:
         conf.write_text(text + QEMU_SETTINGS)
     daemon_conf = libvirt / "libvirtd.conf"
     daemon_conf.write_text(daemon_conf.read_text() + LIBVIRTD_LOGGING.format(log=LIBVIRT_LOG))
-    hook_dir = libvirt / "hooks" / "qemu.d"
-    out["installed_hook"] = sorted(os.listdir(hook_dir))
-    observer = hook_dir / OBSERVER_NAME
+    observer = libvirt / "hooks" / "qemu.d" / OBSERVER_NAME
     observer.write_text(OBSERVER.format(gpu=GPU, audio=AUDIO, log=OBSERVED))
     observer.chmod(0o755)
     for directory in (
@@ -442,8 +452,10 @@ def setup(kernel_root: Path, stage: Path, out: dict[str, Any]) -> None:
     ):
         Path(directory).mkdir(parents=True, exist_ok=True)
     write_halting_kernel(HALT)
-    out["virtlogd"] = run(["/usr/sbin/virtlogd", "-d"])
-    out["libvirtd"] = start_libvirtd()
+
+
+def define_domains(out: dict[str, Any]) -> None:
+    """chain-a and chain-b (managed='yes') and chain-n (managed='no'), each with the pair."""
     for name, managed in (("chain-a", "yes"), ("chain-b", "yes"), ("chain-n", "no")):
         hostdevs = "\n".join(HOSTDEV.format(managed=managed, function=f) for f in "01")
         out.setdefault("defined", []).append(

@@ -198,21 +198,35 @@ def _module_order(modules_dir: Path, wanted: tuple[str, ...]) -> list[str]:
 
 
 def _build_initramfs(root: Path, version: str, busybox_deb: Path, target: Path) -> None:
+    build_initramfs(root, version, busybox_deb, target, INIT, INITRAMFS_MODULES)
+
+
+def build_initramfs(
+    root: Path,
+    version: str,
+    busybox_deb: Path,
+    target: Path,
+    init: str,
+    modules: tuple[str, ...],
+    directories: tuple[str, ...] = ("mnt",),
+) -> None:
+    """A busybox initramfs at `target` (replaced in one step): `init`, the modules
+    named (their dependencies first, listed in /modules.order) and `directories`."""
     modules_dir = root / "lib" / "modules" / version
-    work = CACHE / "initramfs.partial"
+    work = target.with_name(f"{target.name}.{os.getpid()}.partial")
     shutil.rmtree(work, ignore_errors=True)
-    for name in ("bin", "proc", "sys", "dev", "mnt", "modules"):
+    for name in ("bin", "proc", "sys", "dev", "modules", *directories):
         (work / name).mkdir(parents=True)
-    unpacked = CACHE / "busybox.partial"
+    unpacked = work.with_name(f"{work.name}.busybox")
     shutil.rmtree(unpacked, ignore_errors=True)
     _run(["/usr/bin/dpkg-deb", "-x", str(busybox_deb), str(unpacked)])
     shutil.copy2(unpacked / "bin" / "busybox", work / "bin" / "busybox")
     shutil.rmtree(unpacked)
-    order = _module_order(modules_dir, INITRAMFS_MODULES)
+    order = _module_order(modules_dir, modules)
     for path in order:
         shutil.copy2(modules_dir / path, work / "modules" / Path(path).name)
     (work / "modules.order").write_text("\n".join(Path(p).name for p in order) + "\n")
-    (work / "init").write_text(INIT)
+    (work / "init").write_text(init)
     (work / "init").chmod(0o755)
     files = sorted(str(p.relative_to(work)) for p in work.rglob("*"))
     packed = subprocess.run(
@@ -223,7 +237,7 @@ def _build_initramfs(root: Path, version: str, busybox_deb: Path, target: Path) 
         timeout=120,
         check=True,
     ).stdout
-    partial = target.with_suffix(".partial")
+    partial = work.with_suffix(".cpio")
     partial.write_bytes(gzip.compress(packed, compresslevel=1))
     partial.rename(target)
     shutil.rmtree(work)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 from guest import Kernel, QemuUnavailable, boot, check_qemu, prepare_kernel, repo_mount_script
+from installed import install_package
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel]
 
@@ -34,7 +34,6 @@ HOME = {GPU: "bochs-drm", AUDIO: "snd_hda_intel"}
 VFIO = {GPU: "vfio-pci", AUDIO: "vfio-pci"}
 GROUP_NODE = "2"  # /dev/vfio/2: the pair's IOMMU group in this guest
 ARBITER_HOOK = "/etc/libvirt/hooks/qemu.d/charly-arbiter"
-CLEAN_ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root", "LANG": "C.UTF-8"}
 
 
 def guest_script(kernel: Kernel, stage: str) -> str:
@@ -43,37 +42,6 @@ def guest_script(kernel: Kernel, stage: str) -> str:
         + repo_mount_script(REPO)
         + f"/usr/bin/python3 {REPO}/tests/kernel/chain.py {kernel.root} {stage}\n"
     )
-
-
-def install_package(stage: Path, build: Path) -> None:
-    """`make install` into `stage`, as a from-source install lays it out (PREFIX=/usr:
-    the program, the package, the hook in qemu.d, the example configuration)."""
-    result = subprocess.run(
-        [
-            "/usr/bin/make",
-            "-C",
-            str(REPO),
-            "install",
-            f"DESTDIR={stage}",
-            "PREFIX=/usr",
-            f"BUILDDIR={build}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=CLEAN_ENV,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    # compiled, as the Debian package's postinst does (py3compile): the hook's first
-    # runs would otherwise compile every module under TCG
-    packages = stage / "usr" / "lib" / "python3" / "dist-packages"
-    compiled = subprocess.run(
-        ["/usr/bin/python3", "-m", "compileall", "-q", str(packages)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
 
 
 @pytest.fixture(scope="module")
