@@ -172,7 +172,9 @@ def test_an_unreadable_state_fails_a_start_closed_and_never_a_stop(oci: Any) -> 
             timeout=60,
         )
         assert (result.returncode, result.stdout) == (expected, b""), (stage, result)
-        assert result.stderr.startswith(b"charly-arbiter: internal error in the OCI hook")
+        assert result.stderr.startswith(
+            b"charly-arbiter: the container state on stdin cannot be used: it is not JSON"
+        )
 
 
 def test_a_container_without_a_gpu_imports_nothing_of_the_arbiter(tmp_path: Path) -> None:
