@@ -27,7 +27,7 @@ ALLOWED = {
     "main": {"cli", *BOTTOM},
     "errors": {"errors"},
     "logsetup": {"logsetup"},
-    "hookio": {"hookio"},
+    "hookio": {"hookio", "errors"},
     "root": set(),
 }
 

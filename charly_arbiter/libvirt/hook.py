@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-from charly_arbiter.hookio import say, scan_config, stdout_to_stderr
+from charly_arbiter.hookio import guarded, say, scan_config
 
 HANDLED = {"prepare": "begin", "release": "end", "reconnect": "begin", "migrate": "begin"}
 ALWAYS_SUCCEED = ("release", "reconnect")
@@ -47,25 +47,13 @@ def main(argv: list[str]) -> int:
     extra = argv[4] if len(argv) > 4 else "-"
     if driver != "qemu" or HANDLED.get(operation) != sub_operation:
         return 0
-    stdout_to_stderr()
-    try:
-        return _dispatch(guest, operation, extra)
-    except Exception as error:  # the boundary: one sentence, and the right exit code
-        from charly_arbiter.errors import ArbiterError
-
-        code = 1
-        if isinstance(error, ArbiterError):
-            say(str(error), error.hint)
-            code = error.exit_code
-        else:
-            if os.environ.get("CHARLY_ARBITER_DEBUG"):
-                import traceback
-
-                traceback.print_exc()
-            say(f"internal error in the {operation} hook for {guest!r}: {error!r}", None)
-        # libvirt goes on only on 0: a refused (3), unusable (2) or failed (1) prepare
-        # keeps the VM from starting; a stop is never held back.
-        return 0 if operation in ALWAYS_SUCCEED else code
+    # libvirt goes on only on 0: a refused (3), unusable (2) or failed (1) prepare
+    # keeps the VM from starting; a stop is never held back.
+    return guarded(
+        lambda: _dispatch(guest, operation, extra),
+        what=f"the {operation} hook for {guest!r}",
+        lets_go=lambda: operation in ALWAYS_SUCCEED,
+    )
 
 
 def _dispatch(guest: str, operation: str, extra: str) -> int:

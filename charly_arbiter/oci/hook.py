@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 
-from charly_arbiter.hookio import say, scan_config, stdout_to_stderr
+from charly_arbiter.hookio import guarded, scan_config
 
 MAX_STATE = 1 << 20
 MAX_SPEC = 16 << 20  # spec.MAX_SPEC, not imported: the fast path stays light
@@ -48,24 +48,12 @@ def main(argv: list[str]) -> int:
         elif argument not in ("oci-hook", "charly-arbiter"):
             print(f"charly-arbiter: {USAGE}", file=sys.stderr)
             return 2
-    stdout_to_stderr()
-    stages = [stage]  # what _dispatch learns from the state, for the boundary below
-    try:
-        return _dispatch(stages, engine)
-    except Exception as error:  # the boundary: one sentence, and the right exit code
-        from charly_arbiter.errors import ArbiterError
-
-        code = 1
-        if isinstance(error, ArbiterError):
-            say(str(error), error.hint)
-            code = error.exit_code
-        else:
-            if os.environ.get("CHARLY_ARBITER_DEBUG"):
-                import traceback
-
-                traceback.print_exc()
-            say(f"internal error in the OCI hook: {error!r}", None)
-        return 0 if stages[-1] == "release" else code
+    stages = [stage]  # what _dispatch learns from the state, for the boundary
+    return guarded(
+        lambda: _dispatch(stages, engine),
+        what="the OCI hook",
+        lets_go=lambda: stages[-1] == "release",
+    )
 
 
 def _dispatch(stages: list[str | None], engine: str | None) -> int:
