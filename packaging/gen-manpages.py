@@ -109,6 +109,8 @@ FILES_OF: dict[str, list[tuple[str, str]]] = {
         ("/etc/charly-arbiter/attached.d/UNIT.toml", "w: the unit as a holder"),
     ],
     "detach": [CONFIG, LEDGER_R, UNITS, ("/etc/charly-arbiter/attached.d/UNIT.toml", "w: removed")],
+    "adopt": [CONFIG, LEDGER_W, HISTORY_R, HISTORY_W, SYSFS_R],
+    "send-home": [*CLAIMING, HISTORY_R],
 }
 # Examples: (a command line, what it does).  Each one parses with the real command tree
 # (tests/package/test_manpages_install.py).
@@ -177,6 +179,13 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
         ("charly-arbiter attach ollama.service gpu0", "the unit claims gpu0 when it starts")
     ],
     "detach": [("charly-arbiter detach ollama.service", "remove its drop-in and holder record")],
+    "adopt": [
+        ("charly-arbiter adopt gpu0 libvirt:win11", "win11, which runs with gpu0, holds it"),
+        ("charly-arbiter adopt --admin gpu0", "gpu0 was bound to vfio-pci at boot, on purpose"),
+    ],
+    "send-home": [
+        ("charly-arbiter send-home gpu0", "gpu0 goes home, and what was stopped for it comes back")
+    ],
 }
 
 

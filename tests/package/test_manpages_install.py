@@ -41,12 +41,15 @@ def _load(name: str) -> object:
     return module
 
 
-def _command_paths() -> dict[str, click.Command]:
-    """Every command and subcommand of the real CLI, by man page name."""
+def _command_paths(words: dict[str, str] | None = None) -> dict[str, click.Command]:
+    """Every command and subcommand of the real CLI, by man page name (and, into
+    `words`, each page's command as cli/exits.py names it: `send-home`, `poison list`)."""
     paths: dict[str, click.Command] = {}
 
     def walk(command: click.Command, ctx: click.Context, path: list[str]) -> None:
         paths["-".join(path)] = command
+        if words is not None:
+            words["-".join(path)] = " ".join(path[1:]) or "charly-arbiter"
         if isinstance(command, click.Group):
             for name in command.list_commands(ctx):
                 sub = command.get_command(ctx, name)
@@ -83,8 +86,10 @@ def test_each_page_has_its_exit_statuses_examples_and_files(tmp_path: Path) -> N
     generator = _load("gen-manpages")
     pages = {page.stem: page.read_text() for page in generator.generate(tmp_path)}  # type: ignore[attr-defined]
     roff = generator.roff  # type: ignore[attr-defined]
+    keys: dict[str, str] = {}
+    _command_paths(keys)
     for name, text in pages.items():
-        key = " ".join(name.split("-")[2:]) or "charly-arbiter"
+        key = keys[name]
         exit_section = text.partition(".SH EXIT STATUS")[2].partition(".SH ")[0]
         for row in exits.rows(key):
             assert f"\\fB{row.code}\\fR ({exits.MEANING[row.code]})\n{roff(row.when)}" in (
