@@ -341,6 +341,27 @@ def hooks_exit_status() -> list[str]:
     return lines
 
 
+def detached_section() -> list[str]:
+    """The verbs the hooks start (not in --help: no person runs them), for whoever
+    meets them in `ps` or the log."""
+    lines = [
+        ".SH PROCESSES THE HOOKS START",
+        ".PP",
+        roff(
+            f"A hook that must not keep its caller waiting starts `{PROGRAM} _finish-release` "
+            "(the rest of a release that brings holders back) or, for a Proxmox VM's start, "
+            f"`{PROGRAM} _watch-start` (a start that fails after pre-start gets no post-stop) "
+            "as a process of its own, with one argument, the hook's hand-off as JSON, its "
+            "output on /dev/null and its steps in the log. They are not meant to be run by hand."
+        ),
+    ]
+    for verb in exits.DETACHED:
+        lines += [".SS", roff(f"{PROGRAM} {verb}")]
+        for row in exits.rows(verb):
+            lines += [".TP", f"\\fB{row.code}\\fR ({exits.MEANING[row.code]})", roff(row.when)]
+    return lines
+
+
 def main_page_extra() -> list[str]:
     lines = [
         ".SH LIBVIRT HOOK",
@@ -354,6 +375,7 @@ def main_page_extra() -> list[str]:
         ),
     ]
     lines += hooks_exit_status()
+    lines += detached_section()
     lines.append(".SH ENVIRONMENT")
     for variable, what in ENVIRONMENT:
         lines += [".TP", f"\\fB{variable}\\fR", roff(what)]

@@ -25,11 +25,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from charly_arbiter.compose import HookSession, spawn_finish_release
 from charly_arbiter.core.host import UNKNOWN_FUNCTION
-from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import VFIO, Mode
 from charly_arbiter.errors import ClaimRefused
+from charly_arbiter.hooksession import HookSession
 from charly_arbiter.host.holders.container import ClaimRecord, forget_record, write_record
 from charly_arbiter.host.markers import HOOK_DIR, marked
 from charly_arbiter.host.procscan import process_ref
@@ -140,19 +139,8 @@ class HookRun(HookSession):
     # -- stop ------------------------------------------------------------------------
 
     def release(self) -> int:
-        nested = self.nested()
-        if not nested:
+        """The runtime says the container has stopped.  Its claim record goes, unless
+        the arbiter stopped it (nested): it will start it again."""
+        if not self.nested():
             forget_record(self.config.state_dir, self.facts.id)
-        lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
-        log.info("%s stopped%s", self.ref, " by the arbiter" if nested else "")
-        if lease is None:
-            return 0  # a refused start, or a holder whose lease moved: nothing is ours
-        arbiter = self.arbiter()
-        if lease.unrestored() and not nested:
-            begun = arbiter.releaser().begin(self.ref, True, "stopped")
-            if begun is not None and begun.lease is not None:
-                spawn_finish_release(self.config, self.ref, "stopped", arbiter.owner)
-            return 0
-        # The runtime says the container has stopped: no need to ask whether it runs.
-        arbiter.release_claimant(self.ref, success=True, reason="stopped", force=True, stopped=True)
-        return 0
+        return self.stopped(reason="stopped")

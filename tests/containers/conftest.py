@@ -227,16 +227,10 @@ class Podman:
 
     def settle(self) -> None:
         """No detached release of this state directory runs any more."""
-        from charly_arbiter.compose import DETACHED
+        from handoffs import detached_pids
 
         def quiet() -> bool:
-            for entry in Path("/proc").iterdir():
-                if entry.name.isdigit():
-                    with contextlib.suppress(OSError):
-                        argv = (entry / "cmdline").read_bytes().split(b"\0")
-                        if DETACHED.encode() in argv and str(self.state_dir).encode() in argv:
-                            return False
-            return True
+            return not detached_pids(self.state_dir)
 
         self.wait_for("the detached releases to end", quiet)
 

@@ -216,26 +216,18 @@ class Libvirt:
     def busy(self) -> list[str]:
         """What still acts on the arbiter's behalf: each item names a process or a domain.
 
-        The detached half of `release` (hook.py `finish-release`) for this state
+        The detached half of `release` (`_finish-release`) for this state
         directory; a hook or a holder stop/start still marked by a live process
         (STATE_DIR/libvirt-hooks, libvirt-acting); a lease mid-step whose owner
         lives; a test domain between "running" and "shut off".
         """
+        from handoffs import detached_pids
+
         from charly_arbiter.core.ledger import Ledger
         from charly_arbiter.core.model import LeaseState
-        from charly_arbiter.libvirt.hookrun import DETACHED
 
         found = []
-        state_dir = str(self.state_dir).encode()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if DETACHED.encode() in argv and state_dir in argv:
-                found.append(f"{DETACHED} pid {entry.name}")
+        found = [f"_finish-release pid {pid}" for pid in detached_pids(self.state_dir)]
         for kind in ("libvirt-hooks", "libvirt-acting"):
             for marker in sorted((self.state_dir / kind).glob("*")):
                 if _pid_alive(marker):

@@ -109,6 +109,9 @@ def test_each_page_has_its_exit_statuses_examples_and_files(tmp_path: Path) -> N
     hooks = pages["charly-arbiter"].partition(".SH HOOK EXIT STATUS")[2]
     for hook in exits.HOOKS:
         assert roff(f"charly-arbiter {hook}") in hooks
+    started = pages["charly-arbiter"].partition(".SH PROCESSES THE HOOKS START")[2]
+    for verb in exits.DETACHED:
+        assert roff(f"charly-arbiter {verb}") in started.partition(".SH ")[0]
 
 
 def _parses(command: str) -> None:

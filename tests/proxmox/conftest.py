@@ -213,18 +213,11 @@ class Node:
 
     def watchers(self) -> list[int]:
         """The hook's start watchers still waiting (proxmox/hookrun.py's watch_start)."""
-        found = []
-        needle = str(self.config_path).encode()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"watch-start" in cmdline and needle in cmdline:
-                found.append(int(entry))
-        return found
+        from handoffs import detached_pids
+
+        from charly_arbiter.hooksession import WATCH_START
+
+        return detached_pids(self.state_dir, (WATCH_START,))
 
 
 def with_key(text: str, line: str) -> str:
