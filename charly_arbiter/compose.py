@@ -122,23 +122,27 @@ def device_nodes(config: Config) -> DeviceNodes:
 
 def open_host(config: Config, *, subject: str | None = None) -> Host:
     """The host the configuration names: `local`, or `sim:DIR` (with real holders of
-    the kinds its host.toml lists)."""
+    the kinds its host.toml lists), with the configured drains around it."""
+    from charly_arbiter.host.draining import Drained
+
     sources = holder_sources(subject)
     if config.host.startswith("sim:"):
         from charly_arbiter.host.hybrid import open_sim
 
-        return open_sim(config, sources)
+        return Drained(open_sim(config, sources), config)
     from charly_arbiter.host.local import LocalHost
 
-    return LocalHost(config, sources=sources)
+    return Drained(LocalHost(config, sources=sources), config)
 
 
 def real_kinds(host: Host) -> frozenset[str] | None:
     """The holder kinds `host` asks this machine about: None for the local host (every
     kind), the `real_holders` of a simulated one (none for a plain `sim:DIR`)."""
+    from charly_arbiter.host.draining import machine
     from charly_arbiter.host.hybrid import HybridHost
     from charly_arbiter.host.sim import SimHost
 
+    host = machine(host)
     if isinstance(host, HybridHost):
         return frozenset(host.real.kinds)
     if isinstance(host, SimHost):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,7 +31,6 @@ from charly_arbiter.host import run
 from charly_arbiter.host.blocking import Writer
 from charly_arbiter.host.console import Console
 from charly_arbiter.host.devnodes import device_functions
-from charly_arbiter.host.draining import Drains, token_specs
 from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory, known_owner
 from charly_arbiter.host.holders.nvidia import NvidiaPersistence
 from charly_arbiter.host.holders.process import ProcessHolders
@@ -94,9 +93,6 @@ class LocalHost:
         own = (ProcessHolders.kind, NvidiaPersistence.kind)
         others = {k: f for k, f in (sources or {}).items() if k not in own}
         self.registry = HolderRegistry(config, others)
-        self.drains = Drains(
-            config, token_specs(config, self.token_functions), self.device_users, self.boot_id
-        )
 
     def boot_id(self) -> str:
         path = self.proc_root / "sys" / "kernel" / "random" / "boot_id"
@@ -219,7 +215,12 @@ class LocalHost:
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
         """Every holder kind, then the processes holding the tokens' device nodes
         that run in none of the running holders found (a unit's or a container's
-        processes are that holder's: stopping it is what lets go of the node).
+        processes are that holder's: stopping it is what lets go of the node)."""
+        found = self.managed_holders(tokens)
+        return [*self.process_holders(tokens, {h.ref for h in found if h.running}), *found]
+
+    def managed_holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
+        """Every holder kind's holders but the device-node processes.
 
         A kind whose manager cannot be reached (libvirtd not running) has no
         holders to report: a VM that still runs without it holds /dev/vfio/N,
@@ -233,14 +234,12 @@ class LocalHost:
                     found.extend(source.holders(tokens))
             except (HostError, ImportError) as error:
                 log.warning("cannot list %s holders: %s", kind, error)
-        # A drained holder does not run as far as its GPU goes: a process of its that
-        # holds the GPU again is a holder of its own.
-        found = self.drains.holders(found)
-        running = {holder.ref for holder in found if holder.running}
-        return [
-            *self.processes.holders(tokens, known_owner(self.registry, self.proc_root, running)),
-            *found,
-        ]
+        return found
+
+    def process_holders(
+        self, tokens: Sequence[TokenSpec], running: Collection[Claimant]
+    ) -> list[Holder]:
+        return self.processes.holders(tokens, known_owner(self.registry, self.proc_root, running))
 
     def device_users(self, tokens: Sequence[TokenSpec]) -> list[DeviceUser]:
         return self.processes.users(tokens, known_owner(self.registry, self.proc_root, None))
@@ -264,18 +263,16 @@ class LocalHost:
         return {address: frozenset(p.pid for p in gpu.processes) for address, gpu in gpus.items()}
 
     def is_running(self, ref: Claimant) -> bool:
-        return self.drains.is_running(ref, self.source(ref).is_running(ref))
+        return self.source(ref).is_running(ref)
 
     def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         return {ref: self.is_running(ref) for ref in refs}
 
     def stop(self, ref: Claimant) -> None:
-        self.drains.stop(ref, lambda: self.source(ref).stop(ref))
+        self.source(ref).stop(ref)
 
     def start(self, ref: Claimant) -> None:
-        self.drains.start(
-            ref, lambda: self.source(ref).start(ref), lambda: self.source(ref).is_running(ref)
-        )
+        self.source(ref).start(ref)
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         """`nvidia-ctk cdi generate` after an NVIDIA GPU moved, either way: it lists

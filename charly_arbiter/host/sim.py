@@ -27,7 +27,7 @@ import logging
 import os
 import time
 import tomllib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +56,6 @@ from charly_arbiter.host.procscan import (
 )
 
 if TYPE_CHECKING:
-    from charly_arbiter.host.draining import Drains
     from charly_arbiter.host.holders.process import OwnerOf, ProcessHolders
 
 log = logging.getLogger(__name__)
@@ -76,8 +75,6 @@ class SimHost:
         self.dev_root = directory / "dev"
         self._parsed: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
         self._processes: ProcessHolders | None = None
-        # The configured drains (set by `open_sim`; a bare SimHost in a test has none).
-        self.drains: Drains | None = None
         if not (directory / "host.toml").is_file():
             raise HostError(
                 f"the simulated host {directory} has no host.toml",
@@ -254,10 +251,16 @@ class SimHost:
                 )
 
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
-        simulated = self.simulated_holders(tokens)
-        if self.drains is not None:
-            simulated = self.drains.holders(simulated)
-        return [*self.process_holders(tokens), *simulated]
+        return [*self.node_holders(tokens), *self.simulated_holders(tokens)]
+
+    def managed_holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
+        return self.simulated_holders(tokens)
+
+    def process_holders(
+        self, tokens: Sequence[TokenSpec], running: Collection[Claimant]
+    ) -> list[Holder]:
+        """No simulated holder has real processes: each one holding a node is its own."""
+        return self.node_holders(tokens)
 
     # -- device nodes ------------------------------------------------------------------
 
@@ -291,7 +294,7 @@ class SimHost:
             self._processes = ProcessHolders(Config(), proc_root=PROC_ROOT, nodes=self.node_tokens)
         return self._processes
 
-    def process_holders(
+    def node_holders(
         self, tokens: Sequence[TokenSpec], owner_of: OwnerOf | None = None
     ) -> list[Holder]:
         """Real processes holding the tokens' nodes (none when host.toml lists no nodes)."""
@@ -358,33 +361,12 @@ class SimHost:
     def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         with self._state() as state:
             running, unknown = state["running"], bool(state["unknown_alive"])
-            found = {ref: bool(running[ref]) if ref in running else unknown for ref in refs}
-        if self.drains is not None:
-            drains = self.drains
-            return {ref: drains.is_running(ref, value) for ref, value in found.items()}
-        return found
+            return {ref: bool(running[ref]) if ref in running else unknown for ref in refs}
 
     def stop(self, ref: Claimant) -> None:
-        if self.drains is not None:
-            self.drains.stop(ref, lambda: self._stop(ref))
-        else:
-            self._stop(ref)
-
-    def _stop(self, ref: Claimant) -> None:
         self._set_running(ref, False, "fail_stop", "stop")
 
     def start(self, ref: Claimant) -> None:
-        if self.drains is not None:
-            self.drains.start(ref, lambda: self._start(ref), lambda: self._runs(ref))
-        else:
-            self._start(ref)
-
-    def _runs(self, ref: Claimant) -> bool:
-        with self._state() as state:
-            running, unknown = state["running"], bool(state["unknown_alive"])
-            return bool(running[ref]) if ref in running else unknown
-
-    def _start(self, ref: Claimant) -> None:
         spec = self._spec(ref)
         if spec is not None and spec.get("kind") == "process":
             log.info("%s was a process; there is nothing to start again", ref)

@@ -26,6 +26,7 @@ from charly_arbiter.core.planner import unaccounted, unaccounted_hint
 from charly_arbiter.errors import ArbiterError, TokensOverlap, cli_command
 from charly_arbiter.host import run
 from charly_arbiter.host.detect import FunctionInfo, detect, group_problems
+from charly_arbiter.host.draining import machine
 from charly_arbiter.host.local import NVIDIA_VENDOR, LocalHost
 from charly_arbiter.host.sysfs import BRIDGE_CLASS
 from charly_arbiter.ops.history import HistoryLog, Record, last_holder
@@ -53,9 +54,10 @@ def host_checks(
     """IOMMU, vfio-pci, each token's group, nvidia-ctk and memlock (local host only).
     `merged` are GPUs that are part of another GPU's token (no configuration, one
     IOMMU group): they are checked as that token's group, not as tokens of their own."""
-    if not isinstance(host, LocalHost):
+    local = machine(host)
+    if not isinstance(local, LocalHost):
         return [Check("host", Level.WARNING, f"{host.description} is simulated; PCI not checked")]
-    found = detect(host, vm_memory)
+    found = detect(local, vm_memory)
     v = found.vfio
     checks = [
         Check("iommu", Level.OK, f"IOMMU on ({v.iommu_groups} groups)")
@@ -116,7 +118,7 @@ def host_checks(
             checks.append(Check("nvidia-ctk", Level.OK, "nvidia-ctk is installed"))
             cdi_tokens = {t.name for t in config.tokens if t.cdi} or {n for n, _ in wanted}
             records = HistoryLog(config.state_dir).read().records
-            checks.append(cdi_check(host.cdi_spec, cdi_tokens, records))
+            checks.append(cdi_check(local.cdi_spec, cdi_tokens, records))
         else:
             checks.append(
                 Check(

@@ -9,7 +9,7 @@ the hook's path for a domain with no claim never imports libvirt.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -124,7 +124,7 @@ class HolderRegistry:
 
 
 def known_owner(
-    registry: HolderRegistry, proc_root: Path, among: set[Claimant] | None
+    registry: HolderRegistry, proc_root: Path, among: Collection[Claimant] | None
 ) -> Callable[[int], Claimant | None]:
     """The holder a process runs in, by its cgroup, when it is one of `among`
     (None: any unit or container the sources know)."""
