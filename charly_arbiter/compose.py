@@ -20,15 +20,12 @@ from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Holder, Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import Claimant, ProcessRef
+from charly_arbiter.core.model import Claimant, HolderKind, ProcessRef
 from charly_arbiter.errors import HolderError
 from charly_arbiter.host.holders import HolderSource, SourceFactory
 
 if TYPE_CHECKING:
     from charly_arbiter.proxmox.holders import DeviceNodes
-
-# Every kind a holder or claimant ref may have (`KIND:NAME`) that a source answers for.
-HOLDER_KINDS = ("process", "systemd", "container", "libvirt", "proxmox", "lxc")
 
 
 def holder_sources(subject: str | None = None) -> dict[str, SourceFactory]:
@@ -51,34 +48,34 @@ def holder_sources(subject: str | None = None) -> dict[str, SourceFactory]:
     def containers(config: Config) -> HolderSource:
         from charly_arbiter.host.holders.container import ContainerHolders
 
-        return ContainerHolders(config, subject=subject_of("container"))
+        return ContainerHolders(config, subject=subject_of(HolderKind.CONTAINER))
 
     def domains(config: Config) -> HolderSource:
         from charly_arbiter.libvirt.domains import LibvirtHolders
 
-        return LibvirtHolders(config, subject=subject_of("libvirt"))
+        return LibvirtHolders(config, subject=subject_of(HolderKind.LIBVIRT))
 
     def proxmox_vms(config: Config) -> HolderSource:
         if not (config.proxmox.config_dir / "qemu-server").is_dir():
-            return NoGuests("proxmox")
+            return NoGuests(HolderKind.PROXMOX)
         from charly_arbiter.proxmox.holders import ProxmoxHolders
 
-        return ProxmoxHolders(config, subject=subject_of("proxmox"))
+        return ProxmoxHolders(config, subject=subject_of(HolderKind.PROXMOX))
 
     def proxmox_containers(config: Config) -> HolderSource:
         if not (config.proxmox.config_dir / "lxc").is_dir():
-            return NoGuests("lxc")
+            return NoGuests(HolderKind.LXC)
         from charly_arbiter.proxmox.holders import LxcHolders
 
         return LxcHolders(config, device_nodes(config))
 
     return {
-        "process": processes,
-        "systemd": systemd,
-        "container": containers,
-        "libvirt": domains,
-        "proxmox": proxmox_vms,
-        "lxc": proxmox_containers,
+        HolderKind.PROCESS: processes,
+        HolderKind.SYSTEMD: systemd,
+        HolderKind.CONTAINER: containers,
+        HolderKind.LIBVIRT: domains,
+        HolderKind.PROXMOX: proxmox_vms,
+        HolderKind.LXC: proxmox_containers,
     }
 
 
@@ -87,7 +84,7 @@ class NoGuests:
     directory is missing): none to find, none running, and the Proxmox modules are
     never imported for a claim there."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: HolderKind) -> None:
         self.kind = kind
 
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:

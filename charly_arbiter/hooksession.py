@@ -26,11 +26,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from charly_arbiter.compose import HOLDER_KINDS, build_arbiter
+from charly_arbiter.compose import build_arbiter
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import ProcessRef
+from charly_arbiter.core.model import CLAIMANT_KINDS, ProcessRef
 from charly_arbiter.core.planner import NO_POLICY, Policy
 from charly_arbiter.errors import UsageError
 from charly_arbiter.host.markers import is_acting
@@ -75,7 +75,7 @@ class HookSession:
         one already); otherwise the hook's own rules, `own_policy`."""
         if self.nested():
             return Policy(
-                refuse_kinds=frozenset(HOLDER_KINDS),
+                refuse_kinds=frozenset(CLAIMANT_KINDS),
                 refuse_hint="{claimant} was started by the arbiter itself, which never "
                 "stops {holder} from a nested hook; stop {holder} first",
             )

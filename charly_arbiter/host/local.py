@@ -25,7 +25,7 @@ from charly_arbiter.core.host import (
     TokenSpec,
     common_blocker,
 )
-from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
+from charly_arbiter.core.model import VFIO, Claimant, ConsolePolicy, ProcessRef, target_label
 from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed, cli_command
 from charly_arbiter.host import run
 from charly_arbiter.host.blocking import Writer
@@ -136,10 +136,10 @@ class LocalHost:
                 )
         self.nvml.close()  # an open NVML session holds /dev/nvidia* itself
         leaving = any(driver == VFIO for driver in targets.values())
-        if leaving and token.console == "release":
+        if leaving and token.console == ConsolePolicy.RELEASE:
             self.console.release(token)
         self.switcher.switch(targets)
-        if not leaving and token.console == "release":
+        if not leaving and token.console == ConsolePolicy.RELEASE:
             self.console.restore(token)
         self._check_health(targets)
 

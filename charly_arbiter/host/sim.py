@@ -44,7 +44,7 @@ from charly_arbiter.core.host import (
     common_blocker,
     sriov_enabled_why,
 )
-from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
+from charly_arbiter.core.model import VFIO, Claimant, ConsolePolicy, ProcessRef, target_label
 from charly_arbiter.core.pci import vf_address
 from charly_arbiter.errors import HolderError, HostError, SwitchFailed, SwitchHung, cli_command
 from charly_arbiter.host.blocking import TimedOut, bounded
@@ -403,7 +403,7 @@ class SimHost:
         console = [
             d["address"] for d in self._devices() if d.get("console") and d["address"] in addresses
         ]
-        if blocker is None and console and token.console == "refuse":
+        if blocker is None and console and token.console == ConsolePolicy.REFUSE:
             blocker = Blocker(
                 f"it drives the host's display: the text console runs on it "
                 f"(simulated: console = true on {', '.join(console)})",

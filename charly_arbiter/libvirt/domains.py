@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
-from charly_arbiter.core.model import Claimant, LeaseState, Mode
+from charly_arbiter.core.model import Claimant, HolderKind, LeaseState, Mode
 from charly_arbiter.errors import ArbiterError, HolderError, HostError, LedgerCorrupt
 from charly_arbiter.host.blocking import TimedOut, bounded
 from charly_arbiter.host.markers import ACTING_DIR, in_hook, marked
@@ -45,7 +45,7 @@ from charly_arbiter.libvirt.domainxml import (
 
 log = logging.getLogger(__name__)
 
-KIND = "libvirt"
+KIND = HolderKind.LIBVIRT
 DEFAULT_SYSFS = Path("/sys")
 DEFAULT_PROC = Path("/proc")
 POLL_SECONDS = 0.2

@@ -15,7 +15,7 @@ import logging
 from charly_arbiter.compose import build_arbiter
 from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import Claimant, Mode
+from charly_arbiter.core.model import Claimant, HolderKind, Mode, Preemption
 from charly_arbiter.core.planner import NO_POLICY, Policy
 from charly_arbiter.errors import InvalidClaimant, Refused, cli_command
 from charly_arbiter.hooksession import HookSession
@@ -168,9 +168,9 @@ class HookRun(HookSession):
 
 def preemption_policy(config: Config) -> Policy:
     """What a VM's start may not stop (with `libvirt_preemption = "refuse"`: other VMs)."""
-    if config.libvirt_preemption == "refuse":
+    if config.libvirt_preemption == Preemption.REFUSE:
         return Policy(
-            refuse_kinds=frozenset({"libvirt"}),
+            refuse_kinds=frozenset({HolderKind.LIBVIRT}),
             refuse_hint="stop {holder} first (virsh shutdown), or run {acquire} outside "
             "libvirt, then start the VM again",
         )

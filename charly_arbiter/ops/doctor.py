@@ -20,6 +20,7 @@ from pathlib import Path
 from charly_arbiter.core import files
 from charly_arbiter.core.arbiter import Arbiter, rollback_found
 from charly_arbiter.core.config import Config
+from charly_arbiter.core.events import EventKind
 from charly_arbiter.core.host import Host
 from charly_arbiter.core.model import VFIO, LedgerState, human_time
 from charly_arbiter.core.planner import unaccounted, unaccounted_hint
@@ -176,7 +177,7 @@ def cdi_check(spec: Path, tokens: set[str], records: Sequence[Record]) -> Check:
         return Check(
             "cdi", Level.WARNING, f"there is no CDI spec at {spec}: CDI containers get no GPU", fix
         )
-    switches = [r for r in records if r.kind == "switched" and set(r.tokens) & tokens]
+    switches = [r for r in records if r.kind == EventKind.SWITCHED and set(r.tokens) & tokens]
     last = switches[-1] if switches else None
     if last is not None and written < last.time:
         return Check(

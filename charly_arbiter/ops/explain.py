@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from charly_arbiter.core.arbiter import Status, TokenStatus, rollback_found
-from charly_arbiter.core.events import and_list, describe
+from charly_arbiter.core.events import EventKind, and_list, describe
 from charly_arbiter.core.host import Holder
 from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState, human_time
 from charly_arbiter.core.planner import unaccounted_hint
@@ -253,7 +253,9 @@ def _last_trouble(
 ) -> list[str]:
     sentences = []
     refusals = [
-        r for _, r in indexed if r.kind == "refused" and claimant in (None, r.get("claimant"))
+        r
+        for _, r in indexed
+        if r.kind == EventKind.REFUSED and claimant in (None, r.get("claimant"))
     ]
     if refusals:
         last = refusals[-1]
@@ -261,7 +263,11 @@ def _last_trouble(
             f"The last refused claim {scope} was {last.get('claimant')}'s for {last.get('token')}"
             f" at {_when(last.time, facts)}: {last.get('why')}."
         )
-    failures = [r for _, r in indexed if r.kind in ("failed", "poisoned", "restore-failed")]
+    failures = [
+        r
+        for _, r in indexed
+        if r.kind in (EventKind.FAILED, EventKind.POISONED, EventKind.RESTORE_FAILED)
+    ]
     if failures:
         last = failures[-1]
         sentences.append(
@@ -286,7 +292,7 @@ def _interrupted(claimants: set[str], facts: Facts, only_token: str | None = Non
         restored = [
             later
             for later in facts.history[index + 1 :]
-            if later.kind == "restore" and later.get("claimant") == record.get("claimant")
+            if later.kind == EventKind.RESTORE and later.get("claimant") == record.get("claimant")
         ]
         if restored:
             sentence += f"; `restore` cleaned up after it at {_when(restored[0].time, facts)}"

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import UNKNOWN_FUNCTION, Holder, TokenSpec
-from charly_arbiter.core.model import Claimant, ProcessRef
+from charly_arbiter.core.model import Claimant, HolderKind, ProcessRef
 from charly_arbiter.errors import ArbiterError, CommandFailed, HolderError
 from charly_arbiter.host import run
 from charly_arbiter.host.markers import ACTING_DIR, in_hook, marked
@@ -55,8 +55,8 @@ from charly_arbiter.proxmox.vmconf import (
 
 log = logging.getLogger(__name__)
 
-VM_KIND = "proxmox"
-CT_KIND = "lxc"
+VM_KIND = HolderKind.PROXMOX
+CT_KIND = HolderKind.LXC
 VM_DIR = "qemu-server"
 CT_DIR = "lxc"
 PROC_ROOT = Path("/proc")

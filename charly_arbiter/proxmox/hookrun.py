@@ -16,7 +16,7 @@ import logging
 from charly_arbiter.core import files
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import Claimant, LeaseState
+from charly_arbiter.core.model import Claimant, HolderKind, LeaseState, Preemption
 from charly_arbiter.core.planner import NO_POLICY, Policy
 from charly_arbiter.errors import ArbiterError
 from charly_arbiter.hooksession import WATCH_START, Handoff, HookSession, detached_arbiter, spawn
@@ -40,7 +40,7 @@ STARTED_DIR = "proxmox-started"
 def dispatch(vmid: str, phase: str) -> int:
     """`pre-start` or `post-stop` of VM `vmid` (a validated VMID)."""
     log_setup(0, stderr=False)
-    ref = Claimant.of("proxmox", vmid)
+    ref = Claimant.of(HolderKind.PROXMOX, vmid)
     hook = HookRun(ref, vmid)
     with marked(hook.config.state_dir, HOOK_DIR, str(ref)):
         try:
@@ -176,9 +176,9 @@ def watch_start(handoff: Handoff) -> int:
 
 def preemption_policy(config: Config) -> Policy:
     """What a VM's start may not stop (with `[proxmox] preemption = "refuse"`: other VMs)."""
-    if config.proxmox.preemption == "refuse":
+    if config.proxmox.preemption == Preemption.REFUSE:
         return Policy(
-            refuse_kinds=frozenset({"proxmox"}),
+            refuse_kinds=frozenset({HolderKind.PROXMOX}),
             refuse_hint="stop {holder} first (qm shutdown), or run {acquire} outside "
             "Proxmox, then start the VM again",
         )

@@ -15,13 +15,13 @@ from typing import Protocol
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.model import Claimant, HolderKind
 from charly_arbiter.errors import HostError
 from charly_arbiter.host.procscan import cgroup_paths
 
 
 class HolderSource(Protocol):
-    kind: str
+    kind: HolderKind
 
     def holders(self, tokens: Sequence[TokenSpec]) -> Sequence[Holder]:
         """Every holder of this kind that uses one of `tokens`, running or not."""
@@ -101,7 +101,7 @@ class HolderRegistry:
         kind = Claimant.parse(ref).kind
         source = self.source(kind)
         if source is None:
-            raise HostError(f"{ref}: this host has no holders of kind {kind!r}")
+            raise HostError(f"{ref}: this host has no holders of kind '{kind}'")
         return source
 
     def cgroup_owner(self, paths: Sequence[str]) -> Claimant | None:

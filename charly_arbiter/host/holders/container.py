@@ -33,7 +33,7 @@ from pathlib import Path
 from charly_arbiter.core import files
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
-from charly_arbiter.core.model import Claimant, ProcessRef
+from charly_arbiter.core.model import Claimant, HolderKind, ProcessRef
 from charly_arbiter.errors import CommandFailed, HolderError
 from charly_arbiter.host import run
 from charly_arbiter.host.holders import listed_holders
@@ -42,7 +42,7 @@ from charly_arbiter.host.procscan import process_alive
 
 log = logging.getLogger(__name__)
 
-KIND = "container"
+KIND = HolderKind.CONTAINER
 RECORD_DIR = "containers"
 PROC_ROOT = Path("/proc")
 STOPPABLE = ("podman", "docker")  # runtimes whose CLI stops and starts a container
