@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 
+from charly_arbiter.core.pci import is_address
 from charly_arbiter.errors import InvalidClaimant
 
 VFIO = "vfio-pci"
@@ -34,7 +35,6 @@ _UNIT_MAX = 255  # bytes (UNIT_NAME_MAX is 256 with the terminating NUL)
 _UNIT_MAX_LONG = 4095  # device, mount and swap units are named after paths (PATH_MAX - 1)
 # Podman's and Docker's container names (their own check of a name given with --name).
 _CONTAINER = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
-_PCI = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 
 
 def _libvirt_problem(name: str) -> str | None:
@@ -89,7 +89,7 @@ def _vmid_problem(name: str) -> str | None:
 
 
 def _persistence_problem(name: str) -> str | None:
-    if _PCI.fullmatch(name) is None:
+    if not is_address(name):
         return "an nvidia-persistence holder is named after its GPU's PCI address"
     return None
 

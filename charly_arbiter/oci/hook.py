@@ -158,15 +158,18 @@ def _under_pci(link: str) -> bool:
 
 
 def _is_pci_address(part: str) -> bool:
-    """`0000:0a:00.0` (the domain may be longer), without importing re."""
+    """`0000:0a:00.0`: core/pci.py's grammar without importing re (a domain of 4 to 8
+    hex digits, a device 00 to 1f, a function 0 to 7, lower case); the test of the
+    grammars, tests/core/test_pci_grammars.py, holds both to the same verdicts."""
     domain, _, rest = part.partition(":")
     bus, _, rest = rest.partition(":")
     slot, _, function = rest.partition(".")
     hexdigits = "0123456789abcdef"
     return (
-        len(domain) >= 4
+        4 <= len(domain) <= 8
         and len(bus) == 2
         and len(slot) == 2
+        and slot[0] in "01"
         and len(function) == 1
         and all(c in hexdigits for c in domain + bus + slot)
         and function in "01234567"
