@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Collection
 from pathlib import Path
 
@@ -34,3 +35,13 @@ def _handed(argument: bytes, state_dir: Path) -> bool:
     except (UsageError, UnicodeDecodeError):
         return False
     return Path(handoff.state_dir) == state_dir.absolute()
+
+
+def wait_for_handoffs(state_dir: Path, timeout: float = 60.0) -> None:
+    """Until every process a hook handed work on `state_dir` has ended (the event a
+    test waits for after a hook's stop, instead of a pause long enough to hope)."""
+    deadline = time.monotonic() + timeout
+    while pids := detached_pids(state_dir):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still at work after {timeout:g} s: pids {pids}")
+        time.sleep(0.05)

@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 from coretools import assert_converged, check_invariants, host_state, ledger_bytes
+from handoffs import wait_for_handoffs
 from simhosts import audio, gpu, holder, host
 from test_safety import domain_xml, hook
 
@@ -151,6 +152,7 @@ def test_recover_then_adopt_gives_the_vm_its_lease_and_its_holders_a_way_back(si
     # The VM stops: its hook releases the adopted lease, and everything comes back.
     sim.stopped("libvirt:win11", "container:batch")
     assert hook(sim, "win11", "release", "end", "-", domain_xml("win11", GPU0)).returncode == 0
+    wait_for_handoffs(sim.state_dir)  # the hook's detached finish
     sim.cli("restore", "--stranded", check=True)
     assert_converged(sim)
     assert Ledger(sim.state_dir).read().leases == ()
