@@ -111,9 +111,9 @@ def device_nodes(config: Config) -> DeviceNodes:
         sim = SimHost(Path(config.host.removeprefix("sim:")), config.timeouts.driver_switch)
         return DeviceNodes(sim.dev_root, sim.device_functions)
     from charly_arbiter.host.devnodes import device_functions
-    from charly_arbiter.host.sysfs import Roots
+    from charly_arbiter.host.sysfs import HOST_ROOTS
 
-    roots = Roots()
+    roots = HOST_ROOTS
     return DeviceNodes(roots.dev, lambda numbers: device_functions(roots.sys, roots.proc, numbers))
 
 

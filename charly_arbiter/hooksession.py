@@ -35,6 +35,7 @@ from charly_arbiter.core.planner import NO_POLICY, Policy
 from charly_arbiter.errors import UsageError
 from charly_arbiter.host.markers import is_acting
 from charly_arbiter.host.run import spawn_detached
+from charly_arbiter.host.sysfs import HOST_ROOTS
 from charly_arbiter.logsetup import log_setup
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class HookSession:
 
     def __init__(self, subject: str) -> None:
         self.ref = subject
+        self.roots = HOST_ROOTS  # where the hook's caller runs: this machine's /sys, /proc
         self.config = load_config()
         log_to_file(self.config)
         self._arbiter: Arbiter | None = None

@@ -25,7 +25,7 @@ from charly_arbiter.core.model import Claimant, ProcessRef
 from charly_arbiter.errors import HostError
 from charly_arbiter.host.holders import HolderRegistry, SourceFactory, known_owner
 from charly_arbiter.host.procscan import DeviceNumber
-from charly_arbiter.host.sim import PROC_ROOT, SimHost
+from charly_arbiter.host.sim import SimHost
 
 
 def open_sim(config: Config, sources: Mapping[str, SourceFactory]) -> SimHost | HybridHost:
@@ -84,10 +84,10 @@ class HybridHost:
     def process_holders(
         self, tokens: Sequence[TokenSpec], running: Collection[Claimant]
     ) -> list[Holder]:
-        return self.sim.node_holders(tokens, known_owner(self.real, PROC_ROOT, running))
+        return self.sim.node_holders(tokens, known_owner(self.real, self.sim.roots.proc, running))
 
     def device_users(self, tokens: Sequence[TokenSpec]) -> Sequence[DeviceUser]:
-        return self.sim.device_users(tokens, known_owner(self.real, PROC_ROOT, None))
+        return self.sim.device_users(tokens, known_owner(self.real, self.sim.roots.proc, None))
 
     def device_functions(self, numbers: Sequence[DeviceNumber]) -> dict[DeviceNumber, str]:
         return self.sim.device_functions(numbers)

@@ -38,7 +38,7 @@ from charly_arbiter.host.kmod import MODULES_ROOT, KernelModules
 from charly_arbiter.host.nvml import Nvml
 from charly_arbiter.host.pcidata import pci_data
 from charly_arbiter.host.procscan import DeviceNumber, process_alive, process_ref
-from charly_arbiter.host.sysfs import DEV_ROOT, PROC_ROOT, SYS_ROOT, Switcher, Sysfs
+from charly_arbiter.host.sysfs import HOST_ROOTS, SYS_ROOT, Roots, Switcher, Sysfs
 from charly_arbiter.host.sysfs import write_attribute as default_writer
 
 log = logging.getLogger(__name__)
@@ -52,9 +52,7 @@ class LocalHost:
         self,
         config: Config,
         *,
-        sys_root: Path = SYS_ROOT,
-        proc_root: Path = PROC_ROOT,
-        dev_root: Path = DEV_ROOT,
+        roots: Roots = HOST_ROOTS,
         writer: Writer = default_writer,
         cdi_spec: Path = CDI_SPEC,
         modules_root: Path = MODULES_ROOT,
@@ -63,29 +61,30 @@ class LocalHost:
         load_module: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
-        self.modules = KernelModules(modules_root, _release(proc_root))
-        self.description = "local" if sys_root == SYS_ROOT else f"local (sysfs at {sys_root})"
-        self.sysfs = Sysfs(sys_root, writer)
-        self.proc_root = proc_root
-        self.dev_root = dev_root
+        self.roots = roots
+        self.modules = KernelModules(modules_root, _release(roots.proc))
+        self.description = "local" if roots.sys == SYS_ROOT else f"local (sysfs at {roots.sys})"
+        self.sysfs = Sysfs(roots.sys, writer)
+        self.proc_root = roots.proc
+        self.dev_root = roots.dev
         self.cdi_spec = cdi_spec
         self.switcher = Switcher(
             self.sysfs,
-            dev_root,
+            roots.dev,
             config.timeouts.driver_switch,
             load_module=load_module or (lambda driver: _modprobe(pci_data().module_of(driver))),
             isolate=isolate_writes,
         )
         self.console = Console(
             self.sysfs,
-            proc_root,
-            dev_root,
+            roots.proc,
+            roots.dev,
             self.switcher.blocking_writer,
             config.timeouts.driver_switch,
         )
         self.nvml = Nvml()
         self.processes = ProcessHolders(
-            config, self.sysfs, proc_root, dev_root, nvml_processes=self._nvml_processes
+            config, self.sysfs, roots.proc, roots.dev, nvml_processes=self._nvml_processes
         )
         self.persistence = NvidiaPersistence(config)
         # Processes (and the NVIDIA daemon's hold on a GPU) are this host's own; every

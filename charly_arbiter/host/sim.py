@@ -28,6 +28,7 @@ import os
 import time
 import tomllib
 from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,7 @@ from charly_arbiter.host.procscan import (
     process_alive,
     process_ref,
 )
+from charly_arbiter.host.sysfs import HOST_ROOTS
 
 if TYPE_CHECKING:
     from charly_arbiter.host.holders.process import OwnerOf, ProcessHolders
@@ -61,8 +63,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BRIDGE_CLASS = "0604"
-# The simulated host's processes (the CLI, the hooks) are real processes.
-PROC_ROOT = Path("/proc")
 STATE_LOCK_WAIT = 60.0
 HANG_POLL = 0.05  # how often a blocked teardown looks whether its fault was lifted
 
@@ -72,7 +72,10 @@ class SimHost:
         self.directory = directory
         self.switch_timeout = switch_timeout
         self.description = f"sim:{directory}"
-        self.dev_root = directory / "dev"
+        # Its device nodes are files under DIR/dev; its processes (the CLI, the hooks,
+        # a process holding a node) are this machine's.
+        self.roots = replace(HOST_ROOTS, dev=directory / "dev")
+        self.dev_root = self.roots.dev
         self._parsed: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
         self._processes: ProcessHolders | None = None
         if not (directory / "host.toml").is_file():
@@ -291,7 +294,9 @@ class SimHost:
             from charly_arbiter.core.config import Config
             from charly_arbiter.host.holders.process import ProcessHolders
 
-            self._processes = ProcessHolders(Config(), proc_root=PROC_ROOT, nodes=self.node_tokens)
+            self._processes = ProcessHolders(
+                Config(), proc_root=self.roots.proc, nodes=self.node_tokens
+            )
         return self._processes
 
     def node_holders(
@@ -412,10 +417,10 @@ class SimHost:
         return blocker
 
     def current_process(self) -> ProcessRef:
-        return process_ref(PROC_ROOT, os.getpid()) or ProcessRef(os.getpid())
+        return process_ref(self.roots.proc, os.getpid()) or ProcessRef(os.getpid())
 
     def process_alive(self, process: ProcessRef) -> bool:
-        return process_alive(PROC_ROOT, process)
+        return process_alive(self.roots.proc, process)
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         with self._state() as state:

@@ -33,7 +33,8 @@ MAX_XML = 16 << 20
 # Without one of these bytes the XML cannot claim (the domainxml rules, without
 # importing them: the fast path stays at the cost of starting Python).
 CLAIM_MARKERS = (b"hostdev", b"https://charly-arbiter.org/xmlns/claim/1")
-# Where the fast path looks (the only roots it knows; the slow path has Roots).
+# Where the fast path looks: host/sysfs.HOST_ROOTS.sys, spelled here so that it
+# imports nothing (tests/host/test_sysfs.py holds the two equal).
 SYS_ROOT = "/sys"
 DISPLAY_CLASS = "0x03"
 USAGE = "usage: charly-arbiter hook qemu GUEST OPERATION SUB-OPERATION EXTRA"

@@ -20,7 +20,7 @@ from charly_arbiter.core.planner import NO_POLICY, Policy
 from charly_arbiter.errors import InvalidClaimant, Refused, cli_command
 from charly_arbiter.hooksession import HookSession
 from charly_arbiter.host.markers import HOOK_DIR, marked
-from charly_arbiter.host.sysfs import Roots
+from charly_arbiter.host.sysfs import HOST_ROOTS
 from charly_arbiter.libvirt.domainxml import (
     DomainClaim,
     DomainFacts,
@@ -74,7 +74,7 @@ def _claim_of(facts: DomainFacts) -> DomainClaim | None:
     arbiter = build_arbiter(config)
     try:
         return resolve_claim(
-            facts, arbiter.tokens.token_for_address, lambda uuid: mdev_parent(Roots().sys, uuid)
+            facts, arbiter.tokens.token_for_address, lambda uuid: mdev_parent(HOST_ROOTS.sys, uuid)
         )
     finally:
         arbiter.host.close()
@@ -86,7 +86,7 @@ class HookRun(HookSession):
         self.guest = guest
 
     def claim(self, facts: DomainFacts) -> DomainClaim | None:
-        sys_root = Roots().sys
+        sys_root = self.roots.sys
         return resolve_claim(
             facts,
             self.arbiter().tokens.token_for_address,

@@ -32,7 +32,8 @@ STAGES = {"prestart": "claim", "createRuntime": "claim", "poststop": "release"}
 STATUSES = {"creating": "claim", "created": "claim", "stopped": "release"}
 CDI_PREFIX = "cdi.k8s.io/"
 GPU_MAJOR_NAMES = ("drm", "nvidia", "nvidia-frontend")  # host/devnodes.GPU_MAJORS
-# Where the fast path looks (the only roots it knows; the slow path has Roots).
+# Where the fast path looks: host/sysfs.HOST_ROOTS, spelled here so that it imports
+# nothing (tests/host/test_sysfs.py holds the two equal); tests pass others.
 SYS_ROOT = "/sys"
 PROC_ROOT = "/proc"
 USAGE = "usage: charly-arbiter hook oci [prestart|createRuntime|poststop] [--engine=NAME]"
@@ -107,7 +108,11 @@ def _read_spec(bundle: object) -> object:
 
 
 def may_claim(
-    spec: object, state: object, sys_root: str = SYS_ROOT, config: str | None = None
+    spec: object,
+    state: object,
+    sys_root: str = SYS_ROOT,
+    config: str | None = None,
+    proc_root: str = PROC_ROOT,
 ) -> bool:
     """Whether the container may be given a GPU; False only when sure it is not.
 
@@ -131,7 +136,7 @@ def may_claim(
         if _under_pci(f"{sys_root}/dev/char/{major}:{minor}"):
             return True
         if majors is None:
-            majors = _gpu_majors()
+            majors = _gpu_majors(proc_root)
         if major in majors:
             return True
     return False
@@ -176,9 +181,9 @@ def _is_pci_address(part: str) -> bool:
     )
 
 
-def _gpu_majors() -> set[int]:
+def _gpu_majors(proc_root: str) -> set[int]:
     try:
-        with open(f"{PROC_ROOT}/devices") as handle:
+        with open(f"{proc_root}/devices") as handle:
             text = handle.read()
     except OSError:
         return set()

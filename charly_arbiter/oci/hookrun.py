@@ -32,7 +32,6 @@ from charly_arbiter.hooksession import HookSession
 from charly_arbiter.host.holders.container import ClaimRecord, forget_record, write_record
 from charly_arbiter.host.markers import HOOK_DIR, marked
 from charly_arbiter.host.procscan import process_ref
-from charly_arbiter.host.sysfs import PROC_ROOT
 from charly_arbiter.logsetup import log_setup
 from charly_arbiter.oci.spec import ContainerFacts, Device, read_facts
 
@@ -75,7 +74,7 @@ class HookRun(HookSession):
             return 0
         arbiter = self.arbiter()
         plan = arbiter.acquire(self.ref, Mode.SHARED, tokens, policy=self.policy())
-        process = process_ref(PROC_ROOT, self.facts.pid)
+        process = process_ref(self.roots.proc, self.facts.pid)
         write_record(
             self.config.state_dir,
             ClaimRecord(

@@ -30,8 +30,7 @@ from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import STEP_STARTS, EventKind
 from charly_arbiter.errors import ArbiterError, UsageError
 from charly_arbiter.host.procscan import alive as process_runs
-
-PROC_ROOT = Path("/proc")
+from charly_arbiter.host.sysfs import HOST_ROOTS
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +245,7 @@ def interrupted(records: Sequence[Record], alive: Any = None) -> set[int]:
     record of a process no longer alive is where that process was killed.
     `alive(pid)` answers whether a pid still runs (default: /proc, zombies dead).
     """
-    is_alive = alive or (lambda pid: process_runs(PROC_ROOT, pid))
+    is_alive = alive or (lambda pid: process_runs(HOST_ROOTS.proc, pid))
     last_of_pid: dict[int, int] = {}
     for index, record in enumerate(records):
         last_of_pid[record.pid] = index

@@ -264,3 +264,14 @@ def test_an_unbind_that_returns_after_the_timeout_is_not_followed_by_a_probe(ker
     time.sleep(0.1)
     assert kernel.driver_of(GPU) is None
     assert ("bus/pci/drivers_probe", GPU) not in kernel.writes
+
+
+def test_the_hooks_fast_paths_look_where_the_host_roots_are() -> None:
+    """The fast paths import nothing, so they spell this machine's roots again: the
+    same ones Roots gives every host, holder source and hook session."""
+    from charly_arbiter.host.sysfs import HOST_ROOTS
+    from charly_arbiter.libvirt import hook as libvirt_hook
+    from charly_arbiter.oci import hook as oci_hook
+
+    assert Path(libvirt_hook.SYS_ROOT) == HOST_ROOTS.sys == Path(oci_hook.SYS_ROOT)
+    assert Path(oci_hook.PROC_ROOT) == HOST_ROOTS.proc
