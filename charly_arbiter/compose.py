@@ -21,6 +21,7 @@ from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Holder, Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, HolderKind, ProcessRef
+from charly_arbiter.core.tokens import TokenCatalogue
 from charly_arbiter.errors import HolderError
 from charly_arbiter.host.holders import HolderSource, SourceFactory
 
@@ -159,6 +160,7 @@ def build_arbiter(
     subject: str | None = None,
     progress: bool = False,
     owner: ProcessRef | None = None,
+    tokens: TokenCatalogue | None = None,
 ) -> Arbiter:
     """An Arbiter over `host` (opened from the configuration when not given), the
     configured ledger, and the event sinks for this kind of process (`progress`
@@ -175,4 +177,19 @@ def build_arbiter(
         # The ledger is held to the generation the history recorded last: one that
         # went backwards (deleted, replaced) is refused until an operator decides.
         generation_floor=HistoryLog(config.state_dir).highest_generation,
+        tokens=tokens,
     )
+
+
+def token_catalogue(config: Config) -> TokenCatalogue:
+    """The tokens of the configured host, read from its PCI side alone (sysfs, or a
+    simulated host's files): a hook maps a domain's or a VM's addresses to tokens
+    with it, and builds the whole host (holder sources, NVML) only for a claim."""
+    if config.host.startswith("sim:"):
+        from charly_arbiter.host.sim import SimHost
+
+        directory = Path(config.host.removeprefix("sim:"))
+        return TokenCatalogue(config, SimHost(directory, config.timeouts.driver_switch))
+    from charly_arbiter.host.local import LocalPci
+
+    return TokenCatalogue(config, LocalPci())

@@ -26,12 +26,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from charly_arbiter.compose import build_arbiter
+from charly_arbiter.compose import build_arbiter, token_catalogue
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import CLAIMANT_KINDS, ProcessRef
 from charly_arbiter.core.planner import NO_POLICY, Policy
+from charly_arbiter.core.tokens import TokenCatalogue
 from charly_arbiter.errors import UsageError
 from charly_arbiter.host.markers import is_acting
 from charly_arbiter.host.run import spawn_detached
@@ -58,10 +59,20 @@ class HookSession:
         self.config = load_config()
         log_to_file(self.config)
         self._arbiter: Arbiter | None = None
+        self._tokens: TokenCatalogue | None = None
+
+    def tokens(self) -> TokenCatalogue:
+        """The host's tokens, read from its PCI side alone until a claim needs the
+        whole host (whose arbiter then uses them too, read once)."""
+        if self._arbiter is not None:
+            return self._arbiter.tokens
+        if self._tokens is None:
+            self._tokens = token_catalogue(self.config)
+        return self._tokens
 
     def arbiter(self) -> Arbiter:
         if self._arbiter is None:
-            self._arbiter = build_arbiter(self.config, subject=self.ref)
+            self._arbiter = build_arbiter(self.config, subject=self.ref, tokens=self._tokens)
         return self._arbiter
 
     def close(self) -> None:

@@ -109,6 +109,7 @@ class Arbiter:
         events: Events | None = None,
         owner: ProcessRef | None = None,
         generation_floor: Callable[[], int] | None = None,
+        tokens: TokenCatalogue | None = None,
     ) -> None:
         self.config = config
         self.host = host
@@ -123,7 +124,8 @@ class Arbiter:
         # Written into in-progress leases; `restore` treats them as stranded
         # once this very process (pid and start time) is gone.
         self.owner = owner or host.current_process()
-        self.tokens = TokenCatalogue(config, host)
+        # (a hook may have read them already, from the PCI side alone)
+        self.tokens = tokens or TokenCatalogue(config, host)
         self.switching = Switching(host, ledger, self.events)
 
     def releaser(self) -> Releaser:

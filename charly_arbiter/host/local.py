@@ -47,6 +47,44 @@ CDI_SPEC = Path("/etc/cdi/nvidia.yaml")
 NVIDIA_VENDOR = "10de"
 
 
+class LocalPci:
+    """This machine's PCI functions and IOMMU groups, as sysfs shows them: all the
+    token catalogue asks (core/tokens.PciSource), without the holders, NVML or the
+    switch that the whole host brings (compose.token_catalogue)."""
+
+    def __init__(
+        self,
+        roots: Roots = HOST_ROOTS,
+        writer: Writer = default_writer,
+        modules_root: Path = MODULES_ROOT,
+    ) -> None:
+        self.sysfs = Sysfs(roots.sys, writer)
+        self.modules = KernelModules(modules_root, _release(roots.proc))
+
+    def functions(self) -> list[PciFunction]:
+        return [self.sysfs.function(address) for address in self.sysfs.addresses()]
+
+    def gpus(self) -> list[PciFunction]:
+        return [function for function in self.functions() if function.is_display]
+
+    def token_functions(self, name: str, address: str) -> list[PciFunction]:
+        if not self.sysfs.exists(address):
+            raise HostError(
+                f"token {name}: there is no PCI device {address} on this host",
+                hint=f"check the token's address in arbiter.toml against {cli_command('detect')}",
+            )
+        return [self._with_default_driver(f) for f in self.sysfs.group_functions(address)]
+
+    def _with_default_driver(self, function: PciFunction) -> PciFunction:
+        """A function on vfio-pci or on no driver learns where the kernel would send it
+        home (the others are home already, or tell by their driver)."""
+        if function.driver not in (None, VFIO):
+            return function
+        matching = self.modules.matching(self.sysfs.modalias(function.address))
+        modules = [module for module in matching if self.modules.has(module)]
+        return replace(function, default_driver=pci_data().default_driver(function.vendor, modules))
+
+
 class LocalHost:
     def __init__(
         self,
@@ -62,9 +100,10 @@ class LocalHost:
     ) -> None:
         self.config = config
         self.roots = roots
-        self.modules = KernelModules(modules_root, _release(roots.proc))
+        self.pci = LocalPci(roots, writer, modules_root)
+        self.modules = self.pci.modules
         self.description = "local" if roots.sys == SYS_ROOT else f"local (sysfs at {roots.sys})"
-        self.sysfs = Sysfs(roots.sys, writer)
+        self.sysfs = self.pci.sysfs
         self.proc_root = roots.proc
         self.dev_root = roots.dev
         self.cdi_spec = cdi_spec
@@ -101,27 +140,13 @@ class LocalHost:
             raise HostError(f"cannot read the boot id from {path}: {error.strerror}") from None
 
     def functions(self) -> list[PciFunction]:
-        return [self.sysfs.function(address) for address in self.sysfs.addresses()]
+        return self.pci.functions()
 
     def gpus(self) -> list[PciFunction]:
-        return [function for function in self.functions() if function.is_display]
+        return self.pci.gpus()
 
     def token_functions(self, name: str, address: str) -> list[PciFunction]:
-        if not self.sysfs.exists(address):
-            raise HostError(
-                f"token {name}: there is no PCI device {address} on this host",
-                hint=f"check the token's address in arbiter.toml against {cli_command('detect')}",
-            )
-        return [self._with_default_driver(f) for f in self.sysfs.group_functions(address)]
-
-    def _with_default_driver(self, function: PciFunction) -> PciFunction:
-        """A function on vfio-pci or on no driver learns where the kernel would send it
-        home (the others are home already, or tell by their driver)."""
-        if function.driver not in (None, VFIO):
-            return function
-        matching = self.modules.matching(self.sysfs.modalias(function.address))
-        modules = [module for module in matching if self.modules.has(module)]
-        return replace(function, default_driver=pci_data().default_driver(function.vendor, modules))
+        return self.pci.token_functions(name, address)
 
     def switch(self, token: TokenSpec, targets: Mapping[str, str]) -> None:
         known = {function.address for function in token.functions}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from charly_arbiter.compose import build_arbiter
+from charly_arbiter.compose import token_catalogue
 from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, HolderKind, Mode, Preemption
@@ -70,14 +70,10 @@ def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
 
 def _claim_of(facts: DomainFacts) -> DomainClaim | None:
     """The claim a domain's XML makes, asked without its name (no holder is asked)."""
-    config = load_config()
-    arbiter = build_arbiter(config)
-    try:
-        return resolve_claim(
-            facts, arbiter.tokens.token_for_address, lambda uuid: mdev_parent(HOST_ROOTS.sys, uuid)
-        )
-    finally:
-        arbiter.host.close()
+    tokens = token_catalogue(load_config())
+    return resolve_claim(
+        facts, tokens.token_for_address, lambda uuid: mdev_parent(HOST_ROOTS.sys, uuid)
+    )
 
 
 class HookRun(HookSession):
@@ -89,7 +85,7 @@ class HookRun(HookSession):
         sys_root = self.roots.sys
         return resolve_claim(
             facts,
-            self.arbiter().tokens.token_for_address,
+            self.tokens().token_for_address,
             lambda uuid: mdev_parent(sys_root, uuid),
         )
 

@@ -68,7 +68,7 @@ class HookRun(HookSession):
     # -- creation ------------------------------------------------------------------
 
     def claim(self) -> int:
-        tokens = self.tokens()
+        tokens = self.claimed_tokens()
         if not tokens:
             log.info("%s: none of its devices is a token's GPU", self.ref)
             return 0
@@ -96,7 +96,7 @@ class HookRun(HookSession):
         )
         return 0
 
-    def tokens(self) -> list[str]:
+    def claimed_tokens(self) -> list[str]:
         """The tokens the container's devices belong to (its nodes, its CDI names).
 
         A GPU node no function answers to now may be the node of any token that

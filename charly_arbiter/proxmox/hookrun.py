@@ -70,7 +70,7 @@ class HookRun(HookSession):
                 hint="the hookscript is meant for VMs of this node (docs/proxmox.md)",
             )
         config = parse_vm_config(data, self.ref, path)
-        tokens = list(self.arbiter().tokens.all().values())
+        tokens = list(self.tokens().all().values())
         return vm_claim(self.vmid, config, tokens, proxmox_node(self.config))
 
     def own_policy(self) -> Policy:
