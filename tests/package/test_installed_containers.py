@@ -1,7 +1,7 @@
 """The Podman scenarios against the INSTALLED package, on this machine.
 
 `apt install ./charly-arbiter_*.deb` on the machine itself, then
-tests/containers runs with CHARLY_ARBITER_E2E_INSTALLED=1: real Podman runs the
+tests/oci runs with CHARLY_ARBITER_E2E_INSTALLED=1: real Podman runs the
 hook the package put in /usr/share/containers/oci/hooks.d, which runs
 /usr/libexec/charly-arbiter/oci-hook, which runs /usr/bin/charly-arbiter on
 Debian's python3 and libraries.  The suite runs under /usr/bin/python3 with
@@ -71,8 +71,8 @@ def test_podman_scenarios_pass_against_the_installed_package(deb: Deb, tmp_path:
                     "-p",
                     "no:cacheprovider",
                     "-rs",
-                    "tests/containers/test_oci_hook.py",
-                    "tests/containers/test_drains.py",
+                    "tests/oci/test_oci_hook.py",
+                    "tests/oci/test_drains.py",
                 ],
                 cwd=REPO,
                 env=env,
@@ -83,7 +83,7 @@ def test_podman_scenarios_pass_against_the_installed_package(deb: Deb, tmp_path:
                 check=False,
             )
             took = time.monotonic() - started
-            log(f"tests/containers against the installed package: {took:.0f} s")
+            log(f"tests/oci against the installed package: {took:.0f} s")
             log(suite.stdout[-6000:])
             summary = suite.stdout.strip().splitlines()[-1] if suite.stdout.strip() else ""
             assert suite.returncode == 0, suite.stdout[-12000:]
