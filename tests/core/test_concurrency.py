@@ -162,7 +162,7 @@ def test_claimants_in_concurrent_processes(make_sim, tmp_path):
 
 @pytest.mark.slow
 def test_claimants_in_concurrent_processes_long(make_sim, tmp_path):
-    """The size of issue 9: 39 claimants in 13 processes for 75 s."""
+    """39 claimants in 13 processes for 75 s (the size issue 9 asked for)."""
     stress(make_sim, tmp_path, LONG)
 
 

@@ -101,7 +101,7 @@ def test_shared_refcount_first_switches_home_later_only_count(make_sim):
 
 
 def test_a_gpu_found_on_vfio_with_no_home_is_refused_or_sent_to_its_default(make_sim):
-    """Issue 11: a shared claim used to be granted with the GPU left on no driver.
+    """A shared claim used to be granted with the GPU left on no driver (issue 11).
 
     Found on vfio-pci with no lease, it is refused until an operator decides (issue
     17); sent home, it goes to the driver this host would bind it to, or to none."""
@@ -388,8 +388,8 @@ def cdi_generations(sim):
 
 
 def test_the_cdi_spec_follows_every_switch_either_way(sim):
-    """Issue 11: after the switch to vfio-pci too (a container must not be handed a GPU
-    that has left), and again when it is back home."""
+    """After the switch to vfio-pci too (a container must not be handed a GPU that has
+    left), and again when it is back home (issue 11)."""
     arbiter = sim.arbiter()
     before = cdi_generations(sim)
     arbiter.acquire("libvirt:win11", EXCL, ["gpu0"])

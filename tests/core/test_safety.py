@@ -1,4 +1,5 @@
-"""Issue 9's defects, one test each, on the simulated host with the real CLI and hook.
+"""Safety defects found once (issue 9), one test each, on the simulated host with the
+real CLI and hook.
 
 Each of these failed on the code before the fix: the comment on each says what
 it found then.  The invariants (tests/invariants.py) are checked after every

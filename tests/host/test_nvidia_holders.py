@@ -1,4 +1,4 @@
-"""Issue 11: NVIDIA hosts as they are, at the outermost seams.
+"""NVIDIA hosts as they are, at the outermost seams (issue 11).
 
 No NVIDIA driver runs here, so its three faces are modelled from its documented
 behaviour: the nodes it creates (fake /dev files of the fake tree: `/dev/nvidiaN`
