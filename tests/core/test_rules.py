@@ -20,6 +20,7 @@ from coretools import (
     host_toml,
     ledger_bytes,
 )
+from interleave import LogicalClock
 from simhosts import holder
 
 from charly_arbiter.core.model import VFIO, LeaseState, Mode, StepState
@@ -276,18 +277,23 @@ def test_stranded_by_dead_claimant(sim):
 
 
 def test_claim_grace_counts_from_activation(make_sim):
+    """On the logical clock (tests/core/interleave.py): the grace passes when the test
+    moves the clock past it, not after seconds spent waiting."""
     sim = make_sim(host_toml())
     config = sim.config_path.read_text()
     sim.config_path.write_text(config.replace("claim_grace = 0.001", "claim_grace = 2"))
     sim.host().set_running("libvirt:win11", False)  # a VM between prepare and start
-    sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"])
-    assert sim.arbiter().status().stranded == ()
-    time.sleep(2.2)
-    assert sim.arbiter().status().stranded == ("libvirt:win11",)
-    # The VM starts again without having released: the same claim is already
-    # held, and its grace starts over.
-    assert sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"]).already_held
-    assert sim.arbiter().status().stranded == ()
+    with LogicalClock().installed() as clock:
+        sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"])
+        assert sim.arbiter().status().stranded == ()
+        clock.sleep(1)  # within the grace (a lease's time is to the second)
+        assert sim.arbiter().status().stranded == ()
+        clock.sleep(2.2)
+        assert sim.arbiter().status().stranded == ("libvirt:win11",)
+        # The VM starts again without having released: the same claim is already
+        # held, and its grace starts over.
+        assert sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"]).already_held
+        assert sim.arbiter().status().stranded == ()
 
 
 def test_stranded_by_reboot_and_transient(sim):

@@ -255,13 +255,13 @@ def test_an_isolated_hanging_write_strands_only_the_child(kernel, tmp_path):
 def test_an_unbind_that_returns_after_the_timeout_is_not_followed_by_a_probe(kernel):
     kernel.hang_unbind.add("nvidia")
     switch = switcher(kernel, timeout=0.2)
+    before = set(threading.enumerate())
     with pytest.raises(SwitchHung):
         switch.switch({GPU: "vfio-pci"})
     kernel.release.set()  # the kernel lets go late; the abandoned thread finishes the unbind
-    deadline = time.monotonic() + 5
-    while kernel.driver_of(GPU) is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)
+    for abandoned in set(threading.enumerate()) - before:
+        abandoned.join(5)
+        assert not abandoned.is_alive(), abandoned
     assert kernel.driver_of(GPU) is None
     assert ("bus/pci/drivers_probe", GPU) not in kernel.writes
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from handoffs import detached_pids, wait_for_handoffs
 from machine import flocked, restored
 from simhosts import audio, gpu, host
 
@@ -221,12 +222,9 @@ class Libvirt:
         (STATE_DIR/libvirt-hooks, libvirt-acting); a lease mid-step whose owner
         lives; a test domain between "running" and "shut off".
         """
-        from handoffs import detached_pids
-
         from charly_arbiter.core.ledger import Ledger
         from charly_arbiter.core.model import LeaseState
 
-        found = []
         found = [f"_finish-release pid {pid}" for pid in detached_pids(self.state_dir)]
         for kind in ("libvirt-hooks", "libvirt-acting"):
             for marker in sorted((self.state_dir / kind).glob("*")):
@@ -274,8 +272,7 @@ class Libvirt:
             if name.startswith(PREFIX):
                 self.virsh("destroy", name, check=False)
                 self.virsh("undefine", name, "--managed-save", check=False)
-        # let detached release processes finish before wiping their state
-        time.sleep(0.5)
+        wait_for_handoffs(self.state_dir)  # before wiping the state they work on
         shutil.rmtree(self.state_dir, ignore_errors=True)
         self.state_dir.mkdir(mode=0o700)
         for name in ("state.json", "state.lock"):
