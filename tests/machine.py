@@ -1,15 +1,19 @@
 """What the tests that use this machine's own services share: a machine-wide lock
 (libvirtd, Podman, /etc/libvirt and the installed package are one per machine,
-whichever pytest process or nested suite uses them) and files put back as they
-were."""
+whichever pytest process or nested suite uses them), files put back as they
+were, commands run with their output kept, and a session's real service
+(skipped where it cannot run, failed where it should and does not start)."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
@@ -47,3 +51,39 @@ def restored(*paths: Path) -> Iterator[None]:
                 path.unlink(missing_ok=True)
             else:
                 path.write_bytes(content)
+
+
+T = TypeVar("T")
+
+
+class Unavailable(Exception):
+    """A real service cannot be run here, though it should: the message says why."""
+
+
+def run(argv: list[str], check: bool = True, timeout: float = 120, **kw: Any) -> Any:
+    """A command's result, its output kept; with `check`, fail with its stderr."""
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{argv} exited {result.returncode}:\n{result.stderr}")
+    return result
+
+
+def real_session(
+    tmp_path_factory: pytest.TempPathFactory,
+    name: str,
+    why_not: Callable[[], str | None],
+    environment: Callable[[Path], AbstractContextManager[T]],
+    log: Callable[[str], None],
+) -> Iterator[T]:
+    """A session fixture's body: the service `environment` sets up in a directory of
+    its own, skipped (and said in the log) where `why_not` gives a reason, a failure
+    where it should start and raises `Unavailable`."""
+    reason = why_not()
+    if reason:
+        log(f"SKIPPING the {name} tests: {reason}")
+        pytest.skip(reason)
+    try:
+        with environment(tmp_path_factory.mktemp(name)) as env:
+            yield env
+    except Unavailable as error:
+        pytest.fail(str(error))

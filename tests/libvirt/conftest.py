@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 from handoffs import detached_pids, wait_for_handoffs
-from machine import flocked, restored
+from machine import Unavailable, flocked, real_session, restored, run
 from simhosts import audio, gpu, host
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,13 +95,6 @@ home_driver = "nvidia"
 
 def log(message: str) -> None:
     print(f"[libvirt e2e] {message}", file=sys.stderr, flush=True)
-
-
-def run(argv: list[str], check: bool = True, timeout: float = 60, **kw: Any) -> Any:
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{argv} exited {result.returncode}:\n{result.stderr}")
-    return result
 
 
 @dataclass
@@ -357,10 +350,6 @@ def _why_not() -> str | None:
     return None
 
 
-class Unavailable(Exception):
-    """A real libvirtd cannot be run here; the message says why."""
-
-
 def why_not() -> str | None:
     """Why the real-libvirtd tests cannot run here, or None when they can."""
     return _why_not()
@@ -434,15 +423,7 @@ def libvirt_environment(work: Path, with_hook: bool = True) -> Iterator[Libvirt]
 
 @pytest.fixture(scope="session")
 def libvirt_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Libvirt]:
-    reason = _why_not()
-    if reason:
-        log(f"SKIPPING the real-libvirtd tests: {reason}")
-        pytest.skip(reason)
-    try:
-        with libvirt_environment(tmp_path_factory.mktemp("libvirt-e2e")) as env:
-            yield env
-    except Unavailable as error:
-        pytest.fail(str(error))
+    yield from real_session(tmp_path_factory, "libvirt-e2e", _why_not, libvirt_environment, log)
 
 
 @pytest.fixture

@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from machine import flocked, restored
+from machine import Unavailable, flocked, real_session, restored, run
 from simhosts import audio, gpu, host
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,13 +95,6 @@ cdi_devices = ["nvidia.com/gpu=1", "nvidia.com/gpu=all"]
 
 def log(message: str) -> None:
     print(f"[podman] {message}", file=sys.stderr, flush=True)
-
-
-def run(argv: list[str], check: bool = True, timeout: float = 120, **kw: Any) -> Any:
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{argv} exited {result.returncode}:\n{result.stderr}")
-    return result
 
 
 @dataclass
@@ -278,10 +270,6 @@ def free_devices(count: int) -> list[os.stat_result]:
     raise Unavailable(f"fewer than {count} free misc devices among {', '.join(CANDIDATES)}")
 
 
-class Unavailable(Exception):
-    """Podman cannot be run here; the message says why."""
-
-
 def why_not() -> str | None:
     if os.geteuid() != 0:
         return "the Podman tests need root"
@@ -371,15 +359,7 @@ def podman_environment(work: Path) -> Iterator[Podman]:
 
 @pytest.fixture(scope="session")
 def podman_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
-    reason = why_not()
-    if reason:
-        log(f"SKIPPING the Podman tests: {reason}")
-        pytest.skip(reason)
-    try:
-        with podman_environment(tmp_path_factory.mktemp("podman")) as env:
-            yield env
-    except Unavailable as error:
-        pytest.fail(str(error))
+    yield from real_session(tmp_path_factory, "podman", why_not, podman_environment, log)
 
 
 @pytest.fixture
