@@ -1,7 +1,7 @@
 """End to end on a real libvirtd: real QEMU/TCG domains, the real hook, the real CLI.
 
 Each scenario asserts the ledger (through `status --json`) and which domains
-run.  The PCI side is simulated (tests/libvirt/conftest.py).
+run.  The PCI side is simulated (tests/libvirt/libvirtd.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.libvirt.conftest import Libvirt, claim
+from tests.libvirt.libvirtd import Libvirt, claim
 
 pytestmark = [pytest.mark.slow, pytest.mark.libvirt]
 

@@ -27,7 +27,7 @@ import pytest
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import VFIO, LeaseState, LedgerState, Mode
 from tests.invariants import HostFacts, assert_converged, violations
-from tests.libvirt.conftest import PROGRAMS, URI, Libvirt, claim, log
+from tests.libvirt.libvirtd import PROGRAMS, URI, Libvirt, claim, log
 
 pytestmark = [pytest.mark.slow, pytest.mark.libvirt]
 

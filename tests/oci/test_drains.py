@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tests.oci.conftest import PREFIX, Podman
+from tests.oci.podman import PREFIX, Podman
 from tests.oci.test_oci_hook import GPU0, check_invariants
 
 pytestmark = [pytest.mark.slow, pytest.mark.podman]

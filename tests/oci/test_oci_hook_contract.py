@@ -25,7 +25,7 @@ import pytest
 from simhosts import audio, gpu, host
 
 from charly_arbiter.oci.hook import may_claim
-from tests.oci.conftest import free_devices
+from tests.oci.podman import free_devices
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("charly_arbiter.core", "charly_arbiter.host", "charly_arbiter.compose", "tomllib")

@@ -317,7 +317,7 @@ def test_a_process_of_the_container_holding_the_node_is_stopped_with_it(
     a real process, in the container's real cgroup): it is the container's, which is
     stopped, not a stray process that refuses the claim.  The same process outside
     the container's cgroup refuses it."""
-    from tests.oci.conftest import Unavailable, free_devices
+    from tests.oci.podman import Unavailable, free_devices
 
     try:
         device = free_devices(1)[0]
