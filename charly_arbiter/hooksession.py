@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -30,8 +31,8 @@ from charly_arbiter.compose import build_arbiter, token_catalogue
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import CLAIMANT_KINDS, ProcessRef
-from charly_arbiter.core.planner import NO_POLICY, Policy
+from charly_arbiter.core.model import CLAIMANT_KINDS, Mode, ProcessRef
+from charly_arbiter.core.planner import NO_POLICY, ClaimPlan, Policy
 from charly_arbiter.core.tokens import TokenCatalogue
 from charly_arbiter.errors import UsageError
 from charly_arbiter.host.markers import is_acting
@@ -96,6 +97,22 @@ class HookSession:
 
     def own_policy(self) -> Policy:
         return NO_POLICY
+
+    def acquire(self, mode: Mode, tokens: Sequence[str], *, transient: bool = False) -> ClaimPlan:
+        """The subject's claim, by the session's policy (a nested hook stops nothing),
+        logged with what it stopped.  A refusal is raised: the start fails closed."""
+        plan = self.arbiter().acquire(
+            self.ref, mode, list(tokens), transient=transient, policy=self.policy()
+        )
+        stopped = ", ".join(step.holder for step in plan.stops)
+        log.info(
+            "%s holds %s (%s)%s",
+            self.ref,
+            ", ".join(plan.tokens),
+            plan.mode,
+            f"; stopped {stopped}" if stopped else "",
+        )
+        return plan
 
     def stopped(self, *, success: bool = True, reason: str = "", told: str = "") -> int:
         """The subject has stopped (its manager says so: the claimant is not asked

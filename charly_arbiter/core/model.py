@@ -165,16 +165,20 @@ def human_time(moment: str | datetime) -> str:
     doctor): local time to the second, `2026-11-29 15:26:44`.  Machine outputs
     (`--json`, the ledger) keep ISO 8601 with the offset.  A text that is not a
     time is shown as it is; a time without a zone is taken as UTC."""
+    when = as_time(moment)
+    if when is None:
+        return str(moment) or "an unknown time"
+    return when.astimezone().strftime(TIME_FORMAT)
+
+
+def as_time(moment: str | datetime) -> datetime | None:
+    """A time with its zone (UTC where it has none); None for a text that is not one."""
     if isinstance(moment, str):
         try:
-            when = datetime.fromisoformat(moment)
+            moment = datetime.fromisoformat(moment)
         except ValueError:
-            return moment or "an unknown time"
-    else:
-        when = moment
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.astimezone().strftime(TIME_FORMAT)
+            return None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 class Mode(StrEnum):

@@ -93,21 +93,7 @@ class HookRun(HookSession):
         return preemption_policy(self.config)
 
     def prepare(self, claim: DomainClaim) -> int:
-        plan = self.arbiter().acquire(
-            self.ref,
-            claim.mode,
-            list(claim.tokens),
-            transient=claim.transient,
-            policy=self.policy(),
-        )
-        stopped = ", ".join(step.holder for step in plan.stops)
-        log.info(
-            "%s holds %s (%s)%s",
-            self.ref,
-            ", ".join(plan.tokens),
-            plan.mode,
-            f"; stopped {stopped}" if stopped else "",
-        )
+        self.acquire(claim.mode, claim.tokens, transient=claim.transient)
         return 0
 
     def release(self, reason: str) -> int:

@@ -72,8 +72,7 @@ class HookRun(HookSession):
         if not tokens:
             log.info("%s: none of its devices is a token's GPU", self.ref)
             return 0
-        arbiter = self.arbiter()
-        plan = arbiter.acquire(self.ref, Mode.SHARED, tokens, policy=self.policy())
+        plan = self.acquire(Mode.SHARED, tokens)
         process = process_ref(self.roots.proc, self.facts.pid)
         write_record(
             self.config.state_dir,
@@ -86,13 +85,6 @@ class HookRun(HookSession):
                 start=process.start if process else 0,
                 preemptible=self.facts.preemptible,
             ),
-        )
-        stopped = ", ".join(step.holder for step in plan.stops)
-        log.info(
-            "%s holds %s (shared)%s",
-            self.ref,
-            ", ".join(plan.tokens),
-            f"; stopped {stopped}" if stopped else "",
         )
         return 0
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from charly_arbiter.core.arbiter import Status, TokenStatus, rollback_found
 from charly_arbiter.core.events import EventKind, and_list, describe
 from charly_arbiter.core.host import Holder
-from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState, human_time
+from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState, as_time, human_time
 from charly_arbiter.core.planner import unaccounted_hint
 from charly_arbiter.errors import cli_command
 from charly_arbiter.ops.history import Record, last_holder
@@ -302,15 +302,9 @@ def _interrupted(claimants: set[str], facts: Facts, only_token: str | None = Non
 
 def _when(moment: str | datetime, facts: Facts) -> str:
     """The time as every output shows it (`human_time`), and how long ago it was."""
-    if isinstance(moment, str):
-        try:
-            when = datetime.fromisoformat(moment)
-        except ValueError:
-            return moment or "an unknown time"
-    else:
-        when = moment
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
+    when = as_time(moment)
+    if when is None:
+        return str(moment) or "an unknown time"
     return f"{human_time(when)} ({age(facts.now - when)} ago)"
 
 

@@ -78,21 +78,7 @@ class HookRun(HookSession):
 
     def prepare(self, claim: VmClaim) -> int:
         forget_started(self.config, self.vmid)  # post-start of this start notes it again
-        plan = self.arbiter().acquire(
-            self.ref,
-            claim.mode,
-            list(claim.tokens),
-            transient=claim.transient,
-            policy=self.policy(),
-        )
-        stopped = ", ".join(step.holder for step in plan.stops)
-        log.info(
-            "%s holds %s (%s)%s",
-            self.ref,
-            ", ".join(plan.tokens),
-            plan.mode,
-            f"; stopped {stopped}" if stopped else "",
-        )
+        self.acquire(claim.mode, claim.tokens, transient=claim.transient)
         lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
         if lease is not None:
             spawn_start_watch(self.config, self.ref, lease.created)
