@@ -119,10 +119,10 @@ class HookSession:
         whether it runs, and the release is never refused).  A lease that brings
         holders back turns `releasing` here, under the lock, so that a start of the
         subject right after waits for it; the rest is `_finish-release`, detached, so
-        that the stop never waits for holders.  A nested stop (the arbiter stops its
-        subject for another claim) releases here and brings nothing back: what the
-        subject's lease stopped is the arbiter's to hand on.  `told` is how the log
-        line says the stop (libvirt's reason).  Exit code 0, always."""
+        that the stop never waits for holders.  A lease with nothing to bring back,
+        or a nested stop (the arbiter stops its subject for another claim, and waits
+        for this hook), is released here.  `told` is how the log line says the stop
+        (libvirt's reason).  Exit code 0, always."""
         lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
         nested = self.nested()
         log.info(
