@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
+import os
 import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -54,6 +57,41 @@ def restored(*paths: Path) -> Iterator[None]:
 
 
 T = TypeVar("T")
+REPO = Path(__file__).resolve().parent.parent
+# The CLI under test: the installed /usr/bin/charly-arbiter and the package's hook
+# files (tests/package runs the suites so), else the checkout's.
+INSTALLED = os.environ.get("CHARLY_ARBITER_E2E_INSTALLED") == "1"
+
+
+@dataclass
+class HookedService:
+    """A real service (libvirtd, Podman) that runs the arbiter's hook, the simulated
+    host behind it, and the CLI under test (`cli_argv`), pointed at its configuration."""
+
+    work: Path
+    sim_dir: Path
+    state_dir: Path
+    config_path: Path
+    hook_log: Path
+    cli_argv: list[str]
+
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CHARLY_ARBITER_")}
+        env["CHARLY_ARBITER_CONFIG"] = str(self.config_path)
+        if not INSTALLED:
+            env["PYTHONPATH"] = str(REPO)
+        return env
+
+    def cli(self, *args: str, check: bool = False, timeout: float = 120) -> Any:
+        return run([*self.cli_argv, *args], check=check, timeout=timeout, env=self.env())
+
+    def status(self) -> dict[str, Any]:
+        result = self.cli("status", "--json")
+        assert result.returncode == 0, result.stderr
+        return json.loads(result.stdout)  # type: ignore[no-any-return]
+
+    def leases(self) -> dict[str, dict[str, Any]]:
+        return {lease["claimant"]: lease for lease in self.status()["leases"]}
 
 
 class Unavailable(Exception):

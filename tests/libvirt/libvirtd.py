@@ -31,10 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from handoffs import detached_pids, wait_for_handoffs
-from machine import Unavailable, flocked, restored, run
+from machine import INSTALLED, REPO, HookedService, Unavailable, flocked, restored, run
 from simhosts import audio, gpu, host
 
-REPO = Path(__file__).resolve().parents[2]
 LOCK = Path("/tmp/charly-libvirt.lock")
 ETC_LIBVIRT = Path("/etc/libvirt")
 HOOK_DIR = ETC_LIBVIRT / "hooks" / "qemu.d"
@@ -59,7 +58,6 @@ PROGRAMS = {
     "virsh": "/usr/bin/virsh",
     "qemu": "/usr/bin/qemu-system-x86_64",
 }
-INSTALLED = os.environ.get("CHARLY_ARBITER_E2E_INSTALLED") == "1"
 
 # PCI side simulated, libvirt domains real.
 HOST_TOML = host(
@@ -98,28 +96,10 @@ def log(message: str) -> None:
 
 
 @dataclass
-class Libvirt:
+class Libvirt(HookedService):
     """The running daemon, the hook's configuration, and helpers for the tests."""
 
-    work: Path
-    sim_dir: Path
-    state_dir: Path
-    config_path: Path
-    hook_log: Path
-    cli_argv: list[str]
     started_virtlogd: bool = False
-
-    # -- the CLI under test --------------------------------------------------------
-
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CHARLY_ARBITER_")}
-        env["CHARLY_ARBITER_CONFIG"] = str(self.config_path)
-        if not INSTALLED:
-            env["PYTHONPATH"] = str(REPO)
-        return env
-
-    def cli(self, *args: str, check: bool = False, timeout: float = 90) -> Any:
-        return run([*self.cli_argv, *args], check=check, timeout=timeout, env=self.env())
 
     def hook(self, *args: str, stdin: bytes = b"", timeout: float = 60) -> Any:
         """Run the hook program by hand (as libvirt does, with XML on stdin)."""
@@ -130,14 +110,6 @@ class Libvirt:
             timeout=timeout,
             env=self.env(),
         )
-
-    def status(self) -> dict[str, Any]:
-        result = self.cli("status", "--json")
-        assert result.returncode == 0, result.stderr
-        return json.loads(result.stdout)  # type: ignore[no-any-return]
-
-    def leases(self) -> dict[str, dict[str, Any]]:
-        return {lease["claimant"]: lease for lease in self.status()["leases"]}
 
     def ledger_text(self) -> str:
         path = self.state_dir / "ledger.toml"

@@ -25,7 +25,6 @@ the installed /usr/bin/charly-arbiter and the package's hook files.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -35,14 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from machine import Unavailable, flocked, restored, run
+from machine import INSTALLED, REPO, HookedService, Unavailable, flocked, restored, run
 from simhosts import audio, gpu, host
 
-REPO = Path(__file__).resolve().parents[2]
 LOCK = Path("/tmp/charly-podman.lock")
 HOOKS_DIR = Path("/usr/share/containers/oci/hooks.d")
 HOOK_JSON = HOOKS_DIR / "charly-arbiter.json"
-INSTALLED = os.environ.get("CHARLY_ARBITER_E2E_INSTALLED") == "1"
 INSTALLED_CONFIG = Path("/etc/charly-arbiter/arbiter.toml")
 INSTALLED_HOOK = Path("/usr/libexec/charly-arbiter/oci-hook")
 PREFIX = "ca-test-"
@@ -98,38 +95,12 @@ def log(message: str) -> None:
 
 
 @dataclass
-class Podman:
+class Podman(HookedService):
     """Podman, the hook's configuration, and helpers for the tests."""
 
-    work: Path
-    sim_dir: Path
-    state_dir: Path
-    config_path: Path
-    hook_log: Path
     rootfs: Path
     nodes: dict[str, Path]  # token -> its GPU node (a character device under sim_dir/dev)
-    cli_argv: list[str]
     hook_program: Path  # the oci-hook the JSON file names
-
-    # -- the CLI under test ------------------------------------------------------------
-
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CHARLY_ARBITER_")}
-        env["CHARLY_ARBITER_CONFIG"] = str(self.config_path)
-        if not INSTALLED:
-            env["PYTHONPATH"] = str(REPO)
-        return env
-
-    def cli(self, *args: str, check: bool = False, timeout: float = 120) -> Any:
-        return run([*self.cli_argv, *args], check=check, timeout=timeout, env=self.env())
-
-    def status(self) -> dict[str, Any]:
-        result = self.cli("status", "--json")
-        assert result.returncode == 0, result.stderr
-        return json.loads(result.stdout)  # type: ignore[no-any-return]
-
-    def leases(self) -> dict[str, dict[str, Any]]:
-        return {lease["claimant"]: lease for lease in self.status()["leases"]}
 
     def drivers(self) -> dict[str, str]:
         return {
@@ -329,7 +300,7 @@ def podman_environment(work: Path) -> Iterator[Podman]:
             hook_program.chmod(0o755)
             cli_argv = [sys.executable, "-m", "charly_arbiter"]
         env = Podman(
-            work, sim_dir, state_dir, config_path, hook_log, rootfs, nodes, cli_argv, hook_program
+            work, sim_dir, state_dir, config_path, hook_log, cli_argv, rootfs, nodes, hook_program
         )
         backups = [HOOK_JSON] if not INSTALLED else [INSTALLED_CONFIG]
         created_dir = not HOOKS_DIR.exists()
