@@ -25,6 +25,7 @@ from charly_arbiter.core.config import load_config
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import LeaseState, Mode
 from charly_arbiter.ops.history import HistoryLog
+from tests.conftest import SIM_CONFIG
 
 GPU0, AUDIO0 = "0000:0a:00.0", "0000:0a:00.1"
 
@@ -218,10 +219,8 @@ def test_without_a_configuration_a_gpu_bound_at_boot_is_adopted_as_the_administr
     """Every GPU is a token then: one on vfio-pci with no lease is refused until the
     operator says it is there on purpose; then it is passed through as it is, stays on
     vfio-pci after a release, and is never shared."""
-    from test_tokens import BASE
-
     sim = make_sim(
-        host(gpu(GPU0, group=12), gpu("0000:0c:00.0", group=14, driver="vfio-pci")), BASE
+        host(gpu(GPU0, group=12), gpu("0000:0c:00.0", group=14, driver="vfio-pci")), SIM_CONFIG
     )
     token = "0000:0c:00.0"
     assert sim.status()["tokens"][token]["mode"] == "unaccounted"
