@@ -1,6 +1,6 @@
 """Every rule of the issue, carried out by the real Arbiter on the simulated host.
 
-In-process (fast); the CLI's own behaviour is in test_cli.py.  The simulated
+In-process (fast); the CLI's own behaviour is in tests/cli.  The simulated
 host is the real file-backed one, so each effect is read back from its state."""
 
 from __future__ import annotations
