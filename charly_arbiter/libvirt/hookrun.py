@@ -4,7 +4,7 @@
 after that is here, with ordinary imports and types.  libvirt holds the
 domain locked until the hook exits, so while it runs a marker says so (other
 arbiter processes then never wait on that lock).  The release of a claim that
-stopped holders is the session's (`hooksession.HookSession.release`): handed to a
+stopped holders is the session's (`hooksession.HookSession.stopped`): handed to a
 detached process, after the lease has turned `releasing` under the lock.
 """
 
