@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from charly_arbiter.core.model import Claimant, ProcessRef
+from charly_arbiter.core.model import Claimant, ConsolePolicy, ProcessRef
 from charly_arbiter.core.pci import slot_of
 from charly_arbiter.errors import cli_command
 
@@ -92,7 +92,7 @@ class TokenSpec:
     functions: tuple[PciFunction, ...]
     home_driver: str | None = None  # from the configuration, when the operator set one
     cdi: bool = True
-    console: str = "refuse"  # a GPU driving the console: refuse, or "release" the console
+    console: ConsolePolicy = ConsolePolicy.REFUSE  # a GPU driving the console
 
     @property
     def physical_function(self) -> str | None:

@@ -25,9 +25,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from charly_arbiter.core.config import DEFAULT_CONFIG, Config
-from charly_arbiter.core.host import Host, PciFunction, TokenSpec
+from charly_arbiter.core.host import PciFunction, TokenSpec
 from charly_arbiter.errors import TokensOverlap, UnknownToken
 
 
@@ -62,8 +63,18 @@ def check_overlap(specs: Iterable[TokenSpec], config_path: Path) -> None:
         raise TokensOverlap(config_path, *found)
 
 
+class PciSource(Protocol):
+    """All the catalogue asks of a host: its GPUs, and a token's IOMMU group.  A Host
+    is one; so is the PCI side alone (host/local.LocalPci, a simulated host), which
+    is how a hook maps a domain's addresses to tokens without the whole host."""
+
+    def gpus(self) -> Sequence[PciFunction]: ...
+
+    def token_functions(self, name: str, address: str) -> Sequence[PciFunction]: ...
+
+
 class TokenCatalogue:
-    def __init__(self, config: Config, host: Host) -> None:
+    def __init__(self, config: Config, host: PciSource) -> None:
         self.config = config
         self.host = host
         self._specs: dict[str, TokenSpec] | None = None
