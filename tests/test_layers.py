@@ -1,8 +1,10 @@
 """The layers of docs/architecture.md, checked on the code's own imports.
 
 Arrows run one way: cli -> libvirt / oci / proxmox / ops / compose -> host -> core (errors
-and logsetup at the bottom).  Every import counts, at module level or inside a
-function or an `if TYPE_CHECKING:` block: a lazy import is still a dependency.
+and logsetup at the bottom); `serve`, the resident helper, is called by the CLI and the
+hooks and imports nothing of theirs (the program's main is handed to it).  Every import
+counts, at module level or inside a function or an `if TYPE_CHECKING:` block: a lazy
+import is still a dependency.
 No module may take part in an import circle.
 """
 
@@ -19,11 +21,12 @@ ALLOWED = {
     "core": {"core", *BOTTOM},
     "host": {"core", "host", *BOTTOM},
     "ops": {"core", "host", "ops", *BOTTOM},
-    "libvirt": {"core", "host", "ops", "libvirt", "compose", *BOTTOM},
-    "oci": {"core", "host", "ops", "oci", "compose", *BOTTOM},
-    "proxmox": {"core", "host", "ops", "proxmox", "compose", *BOTTOM},
+    "libvirt": {"core", "host", "ops", "libvirt", "compose", "serve", *BOTTOM},
+    "oci": {"core", "host", "ops", "oci", "compose", "serve", *BOTTOM},
+    "proxmox": {"core", "host", "ops", "proxmox", "compose", "serve", *BOTTOM},
     "compose": {"core", "host", "ops", "libvirt", "proxmox", *BOTTOM},
-    "cli": {"core", "host", "ops", "libvirt", "oci", "proxmox", "compose", "cli", *BOTTOM},
+    "cli": {"core", "host", "ops", "libvirt", "oci", "proxmox", "compose", "cli", "serve", *BOTTOM},
+    "serve": {"serve", *BOTTOM},
     "main": {"cli", *BOTTOM},
     "errors": {"errors"},
     "logsetup": {"logsetup"},
