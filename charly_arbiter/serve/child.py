@@ -1,14 +1,14 @@
 """One request's process: forked from the server, it becomes the client's command.
 
 It reads the request (client.request), checks that the client may have it run
-here, and takes the client's place: its stdin, stdout, stderr and working
-directory, its arguments and environment, its umask, groups, resource limits,
-priority, CPU affinity and OOM score, which signals it ignores and blocks, how
-its stdio is encoded.  Only then does it say `ready`, and it runs the command
-only when the client answers `go` (a client that has given up never does: it
-has run the command in-process).  The command is the program's very `main(argv)`,
-in this fresh process: configuration, host and ledger are read by the command,
-as in-process; nothing of the server's is used but the imported code.
+here, and takes the client's place: its arguments and environment, its umask,
+groups, resource limits, priority, CPU affinity and OOM score, which signals it
+ignores and blocks.  Only then does it say `ready`; the client's `go` brings its
+stdin, stdout, stderr and working directory, and only then does the command run
+(a client that has given up never says `go`: it has run the command in-process).
+The command is the program's very `main(argv)`, in this fresh process:
+configuration, host and ledger are read by the command, as in-process; nothing of
+the server's is used but the imported code.
 
 It never runs what the client could not have run itself: the client must be the
 server's uid, in the server's namespaces and root directory, with no fewer
@@ -68,10 +68,9 @@ class Request:
     argv: list[str]
     environment: list[bytes]
     stdin: bytes | None
-    descriptors: dict[str, int]
 
     @classmethod
-    def parse(cls, data: bytes, descriptors: list[int]) -> Request:
+    def parse(cls, data: bytes) -> Request:
         fields = _Fields(data)
         executable, package = fields.next(), fields.next()
         ignored, blocked = _numbers(fields.next()), _numbers(fields.next())
@@ -80,8 +79,6 @@ class Request:
         argv = [os.fsdecode(fields.next()) for _ in range(int(fields.next()))]
         environment = [fields.next() for _ in range(int(fields.next()))]
         stdin = fields.rest() if fields.next() == b"=" else None
-        if len(descriptors) != len(DESCRIPTORS):
-            raise Refused(f"{len(descriptors)} descriptors, not {len(DESCRIPTORS)}")
         return cls(
             executable,
             package,
@@ -92,7 +89,6 @@ class Request:
             argv,
             environment,
             stdin,
-            dict(zip(DESCRIPTORS, descriptors, strict=True)),
         )
 
 
@@ -134,12 +130,20 @@ def serve(
             request = _receive(conn)
             _check(request, peer_pid)
             _become(request, peer_pid)
+            conn.sendall(b"ready %d\n" % os.getpid())
         except (Refused, OSError, ValueError) as why:
             log(f"not run for pid {peer_pid}: {why}")
             os._exit(0)
-        conn.sendall(b"ready %d\n" % os.getpid())
-        if _line(conn) != b"go":
-            log(f"pid {peer_pid} gave up before `go`: not run")
+        try:
+            descriptors = _go(conn)
+        except (Refused, OSError) as why:
+            log(f"not run for pid {peer_pid}: no `go` ({why})")
+            os._exit(0)
+        try:
+            _take(request, descriptors)
+        except (OSError, ValueError) as why:  # nothing ran: the client runs it in-process
+            log(f"not run for pid {peer_pid}: {why}")
+            conn.sendall(b"refused %s\n" % str(why).encode(errors="replace"))
             os._exit(0)
         conn.settimeout(None)
         client.in_server = True
@@ -173,23 +177,13 @@ def _words(argv: list[str]) -> str:
 
 
 def _receive(conn: socket.socket) -> Request:
-    """The request and its descriptors (Refused for one that is not whole in time)."""
+    """The request (Refused for one that is not whole in time)."""
     conn.settimeout(REQUEST_WAIT)
     data = bytearray()
-    descriptors: list[int] = []
     header = len(MAGIC) + LENGTH_BYTES
     total: int | None = None
-    space = socket.CMSG_SPACE(len(DESCRIPTORS) * 4)
     while total is None or len(data) < total:
-        chunk, ancillary, flags, _ = conn.recvmsg(1 << 16, space, socket.MSG_CMSG_CLOEXEC)
-        for level, kind, payload in ancillary:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                usable = len(payload) - len(payload) % 4
-                descriptors += [
-                    int.from_bytes(payload[i : i + 4], sys.byteorder) for i in range(0, usable, 4)
-                ]
-        if flags & socket.MSG_CTRUNC:
-            raise Refused("the descriptors did not fit")
+        chunk = conn.recv(1 << 16)
         if not chunk:
             raise Refused("the client closed the connection before the request was whole")
         data += chunk
@@ -199,7 +193,27 @@ def _receive(conn: socket.socket) -> Request:
             total = header + int.from_bytes(data[len(MAGIC) : header], "big")
             if total > MAX_REQUEST:
                 raise Refused(f"a request of {total} bytes")
-    return Request.parse(bytes(data[header:total]), descriptors)
+    if len(data) > total:
+        raise Refused("more than the request before `ready`")
+    return Request.parse(bytes(data[header:total]))
+
+
+def _go(conn: socket.socket) -> dict[str, int]:
+    """The client's `go` and the descriptors it carries (Refused without them)."""
+    space = socket.CMSG_SPACE(len(DESCRIPTORS) * 4)
+    data, ancillary, flags, _ = conn.recvmsg(16, space, socket.MSG_CMSG_CLOEXEC)
+    received: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            received += [
+                int.from_bytes(payload[i : i + 4], sys.byteorder) for i in range(0, usable, 4)
+            ]
+    if data != b"go\n" or flags & socket.MSG_CTRUNC or len(received) != len(DESCRIPTORS):
+        for fd in received:
+            os.close(fd)
+        raise Refused(f"{data!r} with {len(received)} descriptors")
+    return dict(zip(DESCRIPTORS, received, strict=True))
 
 
 def _check(request: Request, pid: int) -> None:
@@ -253,17 +267,6 @@ def _label(pid: str) -> str:
 
 def _become(request: Request, pid: int) -> None:
     """This process as the client's, before `ready` (nothing runs until `go`)."""
-    fds = request.descriptors
-    stdin = fds["stdin"]
-    if request.stdin is not None:  # what the hook had read: the command reads it again
-        stdin = os.memfd_create("stdin", os.MFD_CLOEXEC)
-        _write(stdin, request.stdin)
-        os.lseek(stdin, 0, os.SEEK_SET)
-    for target, source in ((0, stdin), (1, fds["stdout"]), (2, fds["stderr"])):
-        os.dup2(source, target)
-    os.fchdir(fds["cwd"])
-    for fd in {stdin, *fds.values()}:
-        os.close(fd)
     _attributes(pid)
     os.environ.clear()
     for item in request.environment:
@@ -274,14 +277,30 @@ def _become(request: Request, pid: int) -> None:
     with contextlib.suppress(locale.Error):
         locale.setlocale(locale.LC_CTYPE, "")
     sys.argv = [request.argv0, *request.argv]
+    for signum in request.ignored:
+        signal.signal(signum, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, request.blocked)
+
+
+def _take(request: Request, fds: dict[str, int]) -> None:
+    """The client's stdin, stdout, stderr and working directory, from its `go`."""
+    try:
+        stdin = fds["stdin"]
+        if request.stdin is not None:  # what the hook had read: the command reads it again
+            stdin = os.memfd_create("stdin", os.MFD_CLOEXEC)
+            _write(stdin, request.stdin)
+            os.lseek(stdin, 0, os.SEEK_SET)
+        for target, source in ((0, stdin), (1, fds["stdout"]), (2, fds["stderr"])):
+            os.dup2(source, target)
+        os.fchdir(fds["cwd"])
+    finally:
+        for fd in {stdin, *fds.values()}:
+            os.close(fd)
     sys.stdin = _stream(0, "r", request.streams[0])
     sys.stdout = _stream(1, "w", request.streams[1])
     sys.stderr = _stream(2, "w", request.streams[2])
     # sys.__stdout__ and the others are what the interpreter started with: the client's.
     vars(sys).update(__stdin__=sys.stdin, __stdout__=sys.stdout, __stderr__=sys.stderr)
-    for signum in request.ignored:
-        signal.signal(signum, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_SETMASK, request.blocked)
 
 
 def _write(fd: int, data: bytes) -> None:
@@ -327,16 +346,6 @@ def _stream(fd: int, mode: str, spec: bytes) -> io.TextIOWrapper:
         line_buffering=line == "1",
         write_through=through == "1",
     )
-
-
-def _line(conn: socket.socket) -> bytes:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = conn.recv(64)
-        if not chunk:
-            return b""
-        data += chunk
-    return data[:-1]
 
 
 # -- running and reporting -------------------------------------------------------------------

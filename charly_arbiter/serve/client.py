@@ -9,14 +9,15 @@ microseconds) and a host with it a few milliseconds for the whole hand-over.
 The hand-over (docs/architecture.md, "Where people wait"):
 1. connect; the server must run as this process's uid (SO_PEERCRED);
 2. send the request: the arguments, the environment, how stdio is encoded, which
-   signals are ignored or blocked, and what a hook has already read from stdin,
-   with stdin, stdout, stderr and the working directory as descriptors (SCM_RIGHTS);
-3. the server forks a child, which takes all of that over and says `ready`; the
-   client answers `go` only if it has not given up by then, and the child runs
-   the command only on `go`: a command never runs twice (a child that finds its
-   client gone exits without running it, and a client that said `go` never runs
-   it itself);
-4. the child's exit status comes back.  Signals the client gets meanwhile (Ctrl-C,
+   signals are ignored or blocked, and what a hook has already read from stdin;
+3. a child the server forked ahead takes it, checks that it may run it here, and
+   says `ready`; the client answers `go` only if it has not given up by then, and
+   only `go` carries stdin, stdout, stderr and the working directory (SCM_RIGHTS):
+   a hung server never holds a caller's pipes (libvirt reads a hook's to the end);
+4. the child runs the command only on `go`, so a command never runs twice (a child
+   that finds its client gone exits without running it, and a client that said
+   `go` never runs it itself, unless the child answers `refused` before running);
+5. the child's exit status comes back.  Signals the client gets meanwhile (Ctrl-C,
    SIGTERM, SIGHUP, SIGQUIT) are passed on to the child; a client that goes away
    (kill -9) takes its child with it.
 No socket, a refused connection, a server of another uid, a dead or hung one, or
@@ -73,7 +74,7 @@ def forward(argv: Sequence[str], stdin: bytes | None = None) -> int | None:
     if in_server or mode == "off":
         return None
     try:
-        connection = _hand_over(argv, stdin)
+        return _hand_over(argv, stdin).wait()
     except NotServed as why:
         if mode == "must":
             raise _error(
@@ -83,7 +84,6 @@ def forward(argv: Sequence[str], stdin: bytes | None = None) -> int | None:
                 f"or unset {ENV_SERVE}",
             ) from None
         return None
-    return connection.wait()
 
 
 def run_program(argv: Sequence[str]) -> int | None:
@@ -157,29 +157,23 @@ def _hand_over(argv: Sequence[str], stdin: bytes | None) -> Connection:
     deadline = time.monotonic() + deadline_seconds()
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     connection = Connection(sock, deadline)
+    cwd = -1
     try:
+        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         connection.settle()
         sock.connect(path)
         peer = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
         uid = int.from_bytes(peer[4:8], sys.byteorder)
         if uid != os.geteuid():
             raise NotServed(f"{path} is served by uid {uid}, not this uid {os.geteuid()}")
-        data = request(argv, stdin)
-        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            descriptors = b"".join(fd.to_bytes(4, sys.byteorder) for fd in (0, 1, 2, cwd))
-            connection.settle()
-            sent = sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, descriptors)])
-        finally:
-            os.close(cwd)
         connection.settle()
-        sock.sendall(memoryview(data)[sent:])
+        sock.sendall(request(argv, stdin))
         answer = connection.line()
         if not answer.startswith(b"ready "):
             raise NotServed(f"{path} closed the connection" if not answer else "a bad answer")
-        connection.settle()
         connection.forward_signals()
-        sock.sendall(b"go\n")
+        descriptors = b"".join(fd.to_bytes(4, sys.byteorder) for fd in (0, 1, 2, cwd))
+        sock.sendmsg([b"go\n"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, descriptors)])
     except NotServed:
         sock.close()
         raise
@@ -187,6 +181,9 @@ def _hand_over(argv: Sequence[str], stdin: bytes | None) -> Connection:
         sock.close()
         connection.restore_signals()
         raise NotServed(f"{path}: {error}") from None
+    finally:
+        if cwd >= 0:
+            os.close(cwd)
     return connection
 
 
@@ -246,7 +243,8 @@ class Connection:
         self.previous.clear()
 
     def wait(self) -> int:
-        """The child's exit status (step 4); as it ended by a signal, so does this process."""
+        """The child's exit status (step 5); as it ended by a signal, so does this
+        process.  NotServed when the child refused before running the command."""
         self.deadline = None
         try:
             answer = self.line()
@@ -255,6 +253,9 @@ class Connection:
         finally:
             self.sock.close()
         word, _, number = answer.partition(b" ")
+        if word == b"refused":
+            self.restore_signals()
+            raise NotServed(f"the helper refused it: {number.decode(errors='replace')}")
         if word == b"exit" and number.lstrip(b"-").isdigit():
             return int(number)
         if word == b"signal" and number.isdigit():

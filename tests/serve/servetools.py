@@ -37,7 +37,7 @@ class Served:
     def env(self, sim: SimEnv, mode: str = "must", **extra: str) -> dict[str, str]:
         """The simulated host's environment, pointed at this server."""
         return sim.env(
-            **{ENV_SOCKET: str(self.socket), ENV_SERVE: mode, ENV_DEADLINE: PATIENT}, **extra
+            **{ENV_SOCKET: str(self.socket), ENV_SERVE: mode, ENV_DEADLINE: PATIENT, **extra}
         )
 
     def log(self) -> str:
@@ -96,6 +96,7 @@ def serving(
     socket = root / "run" / "serve.sock"
     log_path = root / "serve.log"
     environment = env if env is not None else _clean_environment()
+    root.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
             [python, "-m", "charly_arbiter", "serve", "-v", "--socket", str(socket), *args],
