@@ -279,15 +279,32 @@ TABLE: dict[str, tuple[Exit, ...]] = {
         Exit(EXIT_ERROR, "the bundle's config.json cannot be read or written"),
         Exit(EXIT_USAGE, "no bundle, or an argument that is not --hook=/PATH or --engine=NAME"),
     ),
+    "serve": (
+        Exit(
+            EXIT_OK,
+            "stopped by SIGTERM, SIGINT or SIGHUP, or --idle-exit passed without a request "
+            "(the commands it started finish on their own)",
+        ),
+        Exit(
+            EXIT_ERROR,
+            "it cannot listen: another server listens on the socket, something that is not a "
+            "socket is there, its directory cannot be made or others may write to it; "
+            "systemd passed more than one socket",
+        ),
+        Exit(EXIT_USAGE, "an unknown option, or an option without its value"),
+    ),
 }
 
 HOOKS = ("hook qemu", "hook oci", "hook oci-inject", "hook proxmox")
+# Commands dispatched before click, with their own arguments: the resident helper
+# (hidden from --help; it reads no configuration, so EVERY_COMMAND's rows are not its).
+UNLISTED = ("serve",)
 
 
 def rows(command: str) -> tuple[Exit, ...]:
     """The exits of `command` (its words after `charly-arbiter`), with those every
     command of the CLI shares: one row per code, in order."""
-    shared = () if command in HOOKS else EVERY_COMMAND
+    shared = () if command in (*HOOKS, *UNLISTED) else EVERY_COMMAND
     merged: dict[int, list[str]] = {}
     for row in (*TABLE[command], *shared):
         merged.setdefault(row.code, []).append(row.when)

@@ -23,7 +23,7 @@ from simhosts import default_host
 
 from charly_arbiter.cli import COMMANDS
 from charly_arbiter.cli.app import build
-from charly_arbiter.cli.exits import EVERY_COMMAND, HOOKS, TABLE, in_document, rows
+from charly_arbiter.cli.exits import EVERY_COMMAND, HOOKS, TABLE, UNLISTED, in_document, rows
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Lease, LeaseState, Mode, Poison
 from charly_arbiter.host.procscan import process_ref
@@ -206,6 +206,10 @@ CASES = [
     C("hook proxmox", 2, ("hook", "proxmox", "100"), says="usage"),
     C("hook proxmox", 2, ("hook", "proxmox", "99", "pre-start"), says="not a Proxmox VMID"),
     C("hook proxmox", 3, ("hook", "proxmox", "100", "pre-start"), "proxmox_held", "exclusively"),
+    # The resident helper: started by systemd or by hand, never by a person's command.
+    C("serve", 0, ("serve", "--socket", "{root}/run/serve.sock", "--idle-exit", "0.1")),
+    C("serve", 1, ("serve", "--socket", "{config}/serve.sock"), says="cannot listen"),
+    C("serve", 2, ("serve", "--no-such-option"), says="unrecognized arguments"),
 ]
 
 
@@ -466,9 +470,9 @@ def _command_tree() -> list[str]:
 def test_the_table_has_rows_for_every_command_and_a_case_for_every_row() -> None:
     commands = _command_tree()
     assert set(COMMANDS) <= set(commands)
-    missing = [command for command in [*commands, *HOOKS] if command not in TABLE]
+    missing = [command for command in [*commands, *HOOKS, *UNLISTED] if command not in TABLE]
     assert not missing, f"commands without exit rows in cli/exits.py: {missing}"
-    stale = [command for command in TABLE if command not in [*commands, *HOOKS]]
+    stale = [command for command in TABLE if command not in [*commands, *HOOKS, *UNLISTED]]
     assert not stale, f"rows for commands that do not exist: {stale}"
     covered = {(case.command, case.code) for case in CASES}
     untested = [
