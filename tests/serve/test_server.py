@@ -276,3 +276,30 @@ def test_idle_exit_and_sigterm(tmp_path: Path):
 def test_an_unknown_option_is_a_usage_error():
     result = _serve("--no-such-option")
     assert result.returncode == 2 and "unrecognized arguments" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("less", "why"),
+    [(["--no-new-privs"], "NoNewPrivs"), (["--bounding-set=-sys_admin"], "fewer capabilities")],
+)
+def test_a_client_with_less_than_the_server_runs_in_process(
+    sim: SimEnv, tmp_path: Path, less: list[str], why: str
+):
+    """A root client that was given less (no_new_privs, a smaller capability bounding
+    set, as a sandboxed unit is) never has its command run by the server's full
+    root: it runs in-process, with what it has."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.fail("setpriv is missing (util-linux)")
+    with serving(tmp_path / "helper") as served:
+        result = subprocess.run(
+            [setpriv, *less, "--", sys.executable, "-m", "charly_arbiter", "status", "--json"],
+            capture_output=True,
+            text=True,
+            env=served.env(sim, mode=""),
+            cwd=REPO,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        served.wait_in_log(why)
+        assert served.ran() == []
