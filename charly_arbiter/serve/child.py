@@ -45,9 +45,12 @@ Run = Callable[[list[str]], object]  # the program's main (it exits, by SystemEx
 # The process this is about: /proc is the one root a fork server has (it acts on
 # itself and its client, never on the host the command acts on).
 PROC = "/proc"
-# Reading the request and waiting for `go`: a client that has not given up sends
-# both at once; one that stopped (SIGSTOP) or vanished is not waited for longer.
+# Reading the request: a client sends it whole at once; one that stopped (SIGSTOP)
+# or vanished is not waited for longer.
 REQUEST_WAIT = 10.0
+# From `ready` to `go` a client does microseconds of work: one that has not said
+# `go` by then is told `refused`, and runs the command itself if it still can.
+GO_WAIT = 2.0
 NAMESPACES = ("mnt", "pid", "net", "ipc", "uts", "user", "cgroup")
 RLIMITS = tuple(getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_"))
 MAX_REQUEST = 64 << 20
@@ -138,6 +141,8 @@ def serve(
             descriptors = _go(conn)
         except (Refused, OSError) as why:
             log(f"not run for pid {peer_pid}: no `go` ({why})")
+            with contextlib.suppress(OSError):
+                conn.sendall(b"refused no go\n")  # a client still there runs it itself
             os._exit(0)
         try:
             _take(request, descriptors)
@@ -200,6 +205,7 @@ def _receive(conn: socket.socket) -> Request:
 
 def _go(conn: socket.socket) -> dict[str, int]:
     """The client's `go` and the descriptors it carries (Refused without them)."""
+    conn.settimeout(GO_WAIT)
     space = socket.CMSG_SPACE(len(DESCRIPTORS) * 4)
     data, ancillary, flags, _ = conn.recvmsg(16, space, socket.MSG_CMSG_CLOEXEC)
     received: list[int] = []

@@ -29,6 +29,7 @@ from simhosts import default_host
 
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Mode
+from charly_arbiter.serve import client
 from charly_arbiter.serve.client import ENV_DEADLINE, ENV_SERVE, ENV_SOCKET
 from tests.cli.clitools import ledger_locked
 from tests.conftest import REPO, SimEnv
@@ -188,6 +189,32 @@ def test_a_hung_or_late_server_never_runs_a_command_twice(sim: SimEnv, server: S
     served = cli(["status", "--json"], server.env(sim))
     assert served.code == 0, "the server serves again"
     assert json.loads(served.stdout)["leases"][0]["claimant"] == "libvirt:win11"
+
+
+@pytest.mark.parametrize("then", ["closes", "waits"])
+def test_a_child_runs_nothing_without_go(
+    sim: SimEnv, server: Served, monkeypatch: pytest.MonkeyPatch, then: str
+):
+    """The narrowest windows: the child's `ready` is in the client's socket when the
+    client gives up (its deadline passed as it arrived) and closes without `go`; or
+    the client stops between `ready` and `go` (SIGSTOP, swapped out) with its socket
+    open.  The child has the request and could run it: it must not.  A client still
+    there is told `refused`, and runs the command itself."""
+    monkeypatch.setenv("CHARLY_ARBITER_CONFIG", str(sim.config_path))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(server.socket))
+        sock.sendall(client.request(ACQUIRE, None))
+        answer = b""
+        while not answer.endswith(b"\n"):
+            answer += sock.recv(64)
+        assert answer.startswith(b"ready "), answer
+        child = int(answer.split()[1])
+        if then == "waits":
+            sock.settimeout(60)
+            assert sock.recv(64) == b"refused no go\n"
+    assert _gone(child, timeout=120), "the child ended"
+    assert "no `go`" in server.log()
+    assert _claims(sim) == [] and not sim.state_dir.joinpath("ledger.toml").exists()
 
 
 def test_a_deadline_the_server_cannot_meet(sim: SimEnv, server: Served):
