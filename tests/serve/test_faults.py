@@ -212,6 +212,7 @@ def test_a_child_runs_nothing_without_go(
         if then == "waits":
             sock.settimeout(60)
             assert sock.recv(64) == b"refused no go\n"
+            assert _gone(child, timeout=120), "the child ended, its client still connected"
     assert _gone(child, timeout=120), "the child ended"
     assert "no `go`" in server.log()
     assert _claims(sim) == [] and not sim.state_dir.joinpath("ledger.toml").exists()
