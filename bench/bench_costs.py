@@ -272,8 +272,9 @@ def phase_rows(setup: Setup, runs: int) -> dict[str, float | str]:
         env=env,
         capture_output=True,
         text=True,
-        check=True,
     )
+    if result.returncode != 0:
+        raise SystemExit(f"serve_phases.py: {result.stderr[-500:]}")
     rows: dict[str, float | str] = {}
     for line in result.stdout.splitlines():
         name, _, value = line.rpartition(" ")

@@ -3,10 +3,10 @@
 Run by bench_costs.py with the interpreter it measures, against the server it
 started (CHARLY_ARBITER_SOCKET, the simulated host's CHARLY_ARBITER_CONFIG in the
 environment).  It does what serve/client.py does, with a clock between the
-steps: connect; send the request with its descriptors; wait for `ready` (the
-server's accept and fork, the child taking the client's place); `go` to the exit
-status (the command's work and the child's exit).  The command's output goes to
-/dev/null.  Prints `STEP MEDIAN_MS` lines.  Not a timed test.
+steps: connect; send the request; wait for `ready` (a spare child, forked
+ahead, accepts, checks the client and takes its attributes); `go` with the
+descriptors, to the exit status (the child takes them, runs the command, exits).
+The command's output goes to /dev/null.  Prints `STEP MEDIAN_MS` lines.  Not a timed test.
 
 Run: python bench/serve_phases.py [RUNS]
 """
@@ -33,16 +33,14 @@ def one(argv: list[str], samples: dict[str, list[float]], label: str) -> None:
         started = time.perf_counter()
         sock.connect(os.environ[client.ENV_SOCKET])
         connected = time.perf_counter()
-        data = client.request(argv, None)
-        fds = b"".join(fd.to_bytes(4, sys.byteorder) for fd in (0, null, null, cwd))
-        sent = sock.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
-        sock.sendall(memoryview(data)[sent:])
+        sock.sendall(client.request(argv, None))
         requested = time.perf_counter()
         connection = client.Connection(sock, time.monotonic() + 10)
         if not connection.line().startswith(b"ready "):
             raise SystemExit("the server did not take the request")
         ready = time.perf_counter()
-        sock.sendall(b"go\n")
+        fds = b"".join(fd.to_bytes(4, sys.byteorder) for fd in (0, null, null, cwd))
+        sock.sendmsg([b"go\n"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
         connection.deadline = None
         status = connection.line()
         done = time.perf_counter()
@@ -54,8 +52,8 @@ def one(argv: list[str], samples: dict[str, list[float]], label: str) -> None:
         raise SystemExit(f"{argv}: {status!r}")
     if label == "--version":
         samples["connect"].append(connected - started)
-        samples["send the request and its descriptors"].append(requested - connected)
-        samples["until `ready`: accept, fork, the child takes the client's place"].append(
+        samples["send the request"].append(requested - connected)
+        samples["until `ready`: a spare's accept, its checks, the client's attributes"].append(
             ready - requested
         )
     samples[f"`go` until the exit status: `{label}` and the child's exit"].append(done - ready)
@@ -65,8 +63,8 @@ def main() -> int:
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 21
     samples: dict[str, list[float]] = {
         "connect": [],
-        "send the request and its descriptors": [],
-        "until `ready`: accept, fork, the child takes the client's place": [],
+        "send the request": [],
+        "until `ready`: a spare's accept, its checks, the client's attributes": [],
     }
     for label, argv in (("--version", ["--version"]), ("status --json", ["status", "--json"])):
         samples[f"`go` until the exit status: `{label}` and the child's exit"] = []
