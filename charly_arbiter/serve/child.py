@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import io
 import locale
 import logging
@@ -131,8 +132,7 @@ def serve(
         log = _log(os.dup(2) if verbose else None)  # the server's log, never the client's
         try:
             request = _receive(conn)
-            _check(request, peer_pid)
-            _become(request, peer_pid)
+            _become(request, peer_pid, _check(request, peer_pid))
             conn.sendall(b"ready %d\n" % os.getpid())
         except (Refused, OSError, ValueError) as why:
             log(f"not run for pid {peer_pid}: {why}")
@@ -222,8 +222,35 @@ def _go(conn: socket.socket) -> dict[str, int]:
     return dict(zip(DESCRIPTORS, received, strict=True))
 
 
-def _check(request: Request, pid: int) -> None:
-    """Refused unless the client runs this very code and could do all this child can."""
+@dataclass(frozen=True)
+class World:
+    """What a process may do and see: its namespaces and root, /proc/PID/status (uids,
+    capabilities, no_new_privs, seccomp; also what the child copies), its label."""
+
+    namespaces: tuple[tuple[int, int], ...]
+    root: tuple[int, int]
+    status: dict[str, str]
+    label: str
+
+    @classmethod
+    def of(cls, pid: str) -> World:
+        return cls(
+            tuple(_stat(f"{PROC}/{pid}/ns/{namespace}") for namespace in NAMESPACES),
+            _stat(f"{PROC}/{pid}/root"),
+            _status(pid),
+            _label(pid),
+        )
+
+
+@functools.cache
+def server_world() -> World:
+    """The server's, read once (the server calls it before it forks its spares)."""
+    return World.of("self")
+
+
+def _check(request: Request, pid: int) -> World:
+    """The client's world; Refused unless the client runs this very code and could do
+    all this child can."""
     if (request.executable, request.package) != identity():
         raise Refused(
             f"another interpreter or package ({os.fsdecode(request.executable)}, "
@@ -231,22 +258,23 @@ def _check(request: Request, pid: int) -> None:
         )
     if pid <= 0:
         raise Refused("the client's process is not visible here")
-    for namespace in NAMESPACES:
-        if _stat(f"{PROC}/self/ns/{namespace}") != _stat(f"{PROC}/{pid}/ns/{namespace}"):
+    mine, theirs = server_world(), World.of(str(pid))
+    for namespace, ours, its in zip(NAMESPACES, mine.namespaces, theirs.namespaces, strict=True):
+        if ours != its:
             raise Refused(f"the client is in another {namespace} namespace")
-    if _stat("/") != _stat(f"{PROC}/{pid}/root"):
+    if mine.root != theirs.root:
         raise Refused("the client has another root directory")
-    mine, theirs = _status("self"), _status(str(pid))
-    if mine["Uid"].split() != theirs["Uid"].split():
-        raise Refused(f"the client's uids are {theirs['Uid'].split()}")
+    if mine.status["Uid"].split() != theirs.status["Uid"].split():
+        raise Refused(f"the client's uids are {theirs.status['Uid'].split()}")
     for field in ("CapEff", "CapPrm", "CapBnd"):
-        if int(mine[field], 16) & ~int(theirs[field], 16):
-            raise Refused(f"the client has fewer capabilities ({field} {theirs[field]})")
+        if int(mine.status[field], 16) & ~int(theirs.status[field], 16):
+            raise Refused(f"the client has fewer capabilities ({field} {theirs.status[field]})")
     for field in ("NoNewPrivs", "Seccomp"):
-        if theirs.get(field, "0") != mine.get(field, "0"):
-            raise Refused(f"the client runs with {field} {theirs.get(field)}")
-    if _label("self") != _label(str(pid)):
-        raise Refused(f"the client's security label is {_label(str(pid))!r}")
+        if theirs.status.get(field, "0") != mine.status.get(field, "0"):
+            raise Refused(f"the client runs with {field} {theirs.status.get(field)}")
+    if mine.label != theirs.label:
+        raise Refused(f"the client's security label is {theirs.label!r}")
+    return theirs
 
 
 def _stat(path: str) -> tuple[int, int]:
@@ -271,9 +299,9 @@ def _label(pid: str) -> str:
 # -- taking the client's place ---------------------------------------------------------------
 
 
-def _become(request: Request, pid: int) -> None:
+def _become(request: Request, pid: int, world: World) -> None:
     """This process as the client's, before `ready` (nothing runs until `go`)."""
-    _attributes(pid)
+    _attributes(pid, world.status)
     os.environ.clear()
     for item in request.environment:
         key, _, value = item.partition(b"=")
@@ -315,9 +343,8 @@ def _write(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def _attributes(pid: int) -> None:
+def _attributes(pid: int, status: dict[str, str]) -> None:
     """The client's umask, groups, resource limits, priority, affinity and OOM score."""
-    status = _status(str(pid))
     os.umask(int(status["Umask"], 8))
     real, effective, saved, _ = (int(n) for n in status["Gid"].split())
     if (real, effective, saved) != os.getresgid():

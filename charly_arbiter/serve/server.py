@@ -56,6 +56,7 @@ SPARES = 2
 # How often an idle server looks whether the files of its code changed.
 TICK = 1.0
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Imported at start beside the package's own modules: what the commands import
 # inside functions, on the paths people wait for.
 ALSO_IMPORTED = ("json", "shlex", "tomllib", "tomlkit", "uuid", "ctypes", "logging.handlers")
@@ -69,8 +70,34 @@ class ServeError(Exception):
         self.hint = hint
 
 
-class _Stop(Exception):
-    pass
+class Stopping:
+    """SIGTERM, SIGINT and SIGHUP, noted and made readable on a pipe the loop waits
+    on.  The handler never raises: an exception raised in a handler that runs inside
+    an at-fork callback or a finalizer would be swallowed, and the signal lost."""
+
+    def __init__(self) -> None:
+        self.wakeup, self._write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.signal: int | None = None
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._note)
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
+
+    def _note(self, signum: int, frame: FrameType | None) -> None:
+        self.signal = signum
+        with contextlib.suppress(OSError):
+            os.write(self._write, b"!")
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self.wakeup, 64):
+                pass
+
+    def close(self) -> None:
+        """In a spare: the server's signals and pipe are not its own."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_DFL)
+        os.close(self.wakeup)
+        os.close(self._write)
 
 
 def main(argv: list[str], run: Run) -> int:
@@ -105,10 +132,7 @@ def main(argv: list[str], run: Run) -> int:
         return 1
     log(f"listening on {listener.getsockname() or path} ({preloaded} modules imported)")
     try:
-        with _stopping():
-            _loop(listener, run, options.verbose > 0, options.idle_exit, log, owned)
-    except _Stop:
-        log("stopped")
+        _loop(listener, run, options.verbose > 0, options.idle_exit, log, owned)
     finally:
         listener.close()
         if owned:
@@ -286,17 +310,6 @@ def _again(listener: socket.socket, owned: str | None) -> NoReturn:
 # -- the loop --------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _stopping() -> Iterator[None]:
-    def stop(signum: int, frame: FrameType | None) -> None:
-        raise _Stop
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, stop)
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel
-    yield
-
-
 def _loop(
     listener: socket.socket,
     run: Run,
@@ -308,6 +321,8 @@ def _loop(
     """Keep SPARES children waiting in accept; fork another whenever one takes a
     connection (or dies); every TICK, look whether the code on disk changed."""
     code = Code()
+    stopping = Stopping()
+    child.server_world()  # read once, here: every child compares its client with it
     listener.setblocking(True)  # the spares block in accept (the kernel wakes one)
     # Children share the imported code's pages: no collection may touch them (gc.freeze).
     gc.collect()
@@ -316,12 +331,18 @@ def _loop(
     last = time.monotonic()
     try:
         while True:
-            while len(spares) < SPARES:
-                forked = _spare(listener, run, verbose, log)
+            while len(spares) < SPARES and stopping.signal is None:
+                forked = _spare(listener, stopping, run, verbose, log)
                 if forked is None:
                     break  # out of processes: the clients run in-process meanwhile
                 spares[forked[0]] = forked[1]
-            readable = select.select(list(spares), [], [], TICK)[0]
+            readable = select.select([stopping.wakeup, *spares], [], [], TICK)[0]
+            if stopping.signal is not None:
+                log(f"stopped by {signal.Signals(stopping.signal).name}")
+                return
+            if stopping.wakeup in readable:
+                stopping.drain()  # a spare's, before it let the server's signals go
+                readable.remove(stopping.wakeup)
             for fd in readable:
                 took = os.read(fd, 1)
                 os.close(fd)
@@ -351,7 +372,11 @@ def _end(spares: dict[int, int]) -> None:
 
 
 def _spare(
-    listener: socket.socket, run: Run, verbose: bool, log: Callable[[str], None]
+    listener: socket.socket,
+    stopping: Stopping,
+    run: Run,
+    verbose: bool,
+    log: Callable[[str], None],
 ) -> tuple[int, int] | None:
     """Fork a child that waits for the next connection; (its pipe, its pid)."""
     took, tell = os.pipe()
@@ -368,6 +393,7 @@ def _spare(
     if pid == 0:
         try:
             os.close(took)
+            stopping.close()
             _take(listener, tell, server, run, verbose, log)
         finally:
             os._exit(1)
@@ -385,8 +411,6 @@ def _take(
 ) -> NoReturn:
     """A spare's life: dies with the server while it waits (PR_SET_PDEATHSIG), takes
     one connection, tells the server, and becomes that request's process."""
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_DFL)
     _die_with_parent(signal.SIGKILL)
     if os.getppid() != server:
         os._exit(0)  # the server died while this was being forked

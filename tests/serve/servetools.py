@@ -71,7 +71,28 @@ class Served:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pid, signal.SIGCONT)
             self.process.terminate()
-        return self.process.wait(timeout=30)
+        try:
+            return self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            status = Path(f"/proc/{self.pid}/status").read_text()
+            tasks = os.listdir(f"/proc/{self.pid}/task")
+            wchan = (
+                " ".join(
+                    f"{t}:{Path(f'/proc/{self.pid}/task/{t}/wchan').read_text()}" for t in tasks
+                )
+                + " children: "
+                + str([p for p, pp, _ in processes() if pp == self.pid])
+            )
+            self.process.terminate()
+            try:
+                again = self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                again = None
+            self.process.kill()
+            self.process.wait()
+            raise AssertionError(
+                f"again: {again}; SIGTERM did not stop it ({wchan}):\n{status}\n{self.log()}"
+            )
 
 
 def processes() -> Iterator[tuple[int, int, int]]:
