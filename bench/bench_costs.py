@@ -15,11 +15,12 @@ Rows:
 6. hook `release` of a domain with a GPU hostdev and no lease (every refused start)
 7. `acquire` + `release` through the CLI (two processes)
 8. `status --json` with 1,000 leases
-Rows 5-8 twice: in-process (CHARLY_ARBITER_SERVE=off), and through the resident
-helper (`charly-arbiter serve`, started by hand in this run with the same
-interpreter; CHARLY_ARBITER_SERVE=must, so a row fails rather than measure a
-command that ran in-process), and then where a request through the helper spends
-its time (serve_phases.py).
+Rows 5-8 twice, their samples taken in turn with one of the baseline's:
+in-process (CHARLY_ARBITER_SERVE=off), and through the resident helper
+(`charly-arbiter serve`, started by hand in this run with the same interpreter;
+CHARLY_ARBITER_SERVE=must, so a row fails rather than measure a command that
+ran in-process); then where a request through the helper spends its time
+(serve_phases.py).
 
 The hook is run as libvirt runs it: hooks/qemu (sh), which execs a launcher
 like the one the package installs (`#!PYTHON` + `from charly_arbiter.cli
@@ -101,6 +102,7 @@ class Setup:
     def __init__(self, root: Path, python: str) -> None:
         self.root = root
         self.python = python
+        self.base: list[float] = []  # `python -c pass`, sampled throughout the run
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CHARLY_ARBITER_")}
         self.env["PYTHONPATH"] = str(REPO)
         subprocess.run(
@@ -209,30 +211,54 @@ CLAIM = (
 NO_LEASE = f"<domain><name>nolease</name><devices>{hostdev('0000:0a:00.0')}</devices></domain>"
 
 
-def claim_rows(setup: Setup, runs: int, served: bool) -> dict[str, float | str]:
-    """Rows 5-7, in-process or through the helper."""
-    env, hook_env = setup.ways(served)
-    hook = str(setup.hook)
-    prepares = []
+WAYS = {False: "in-process", True: "through the helper"}
+
+
+def both_ways(name: str, runs: int, sample: Callable[[bool], float]) -> dict[str, float | str]:
+    """`name`'s row in-process and through the helper, their samples taken in turn
+    (this machine's load drifts within seconds; a row measured after the other
+    would carry the drift)."""
+    samples: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(runs):
-        started = time.perf_counter()
-        run([hook, "bench", "prepare", "begin", "-"], CLAIM, hook_env)
-        prepares.append((time.perf_counter() - started) * 1000)
-        run([hook, "bench", "release", "end", "destroyed"], CLAIM, hook_env)
-    way = "through the helper" if served else "in-process"
-    rows: dict[str, float | str] = {
-        f"hook prepare, a claim with nothing to preempt, {way}": statistics.median(prepares)
+        for served in (False, True):
+            samples[served].append(sample(served))
+    return {f"{name}, {WAYS[served]}": statistics.median(samples[served]) for served in WAYS}
+
+
+def timed(action: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    action()
+    return (time.perf_counter() - started) * 1000
+
+
+def claim_rows(setup: Setup, runs: int) -> dict[str, float | str]:
+    """Rows 5-7."""
+    hook = str(setup.hook)
+
+    def prepare(served: bool) -> float:
+        _, env = setup.ways(served)
+        took = timed(lambda: run([hook, "bench", "prepare", "begin", "-"], CLAIM, env))
+        run([hook, "bench", "release", "end", "destroyed"], CLAIM, env)
+        return took
+
+    def release(served: bool) -> float:
+        _, env = setup.ways(served)
+        return timed(lambda: run([hook, "nolease", "release", "end", "-"], NO_LEASE.encode(), env))
+
+    def cycle(served: bool) -> float:
+        env, _ = setup.ways(served)
+        return timed(
+            lambda: (
+                run(setup.cli("acquire", "--exclusive", "libvirt:bench", "gpu0"), env=env),
+                run(setup.cli("release", "--force", "libvirt:bench"), env=env),
+            )
+        )
+
+    return {
+        **both_ways("hook prepare, a claim with nothing to preempt", setup, runs, prepare),
+        **both_ways("hook release, a GPU hostdev and no lease", setup, runs, release),
+        **both_ways("acquire + release through the CLI", setup, runs, cycle),
     }
-    rows[f"hook release, a GPU hostdev and no lease, {way}"] = median_ms(
-        lambda: run([hook, "nolease", "release", "end", "-"], NO_LEASE.encode(), hook_env), runs
-    )
-
-    def cycle() -> None:
-        run(setup.cli("acquire", "--exclusive", "libvirt:bench", "gpu0"), env=env)
-        run(setup.cli("release", "--force", "libvirt:bench"), env=env)
-
-    rows[f"acquire + release through the CLI, {way}"] = median_ms(cycle, runs)
-    return rows
 
 
 def status_rows(setup: Setup, runs: int) -> dict[str, float | str]:
@@ -255,12 +281,9 @@ def status_rows(setup: Setup, runs: int) -> dict[str, float | str]:
 
     def status(served: bool) -> float:
         env, _ = setup.ways(served)
-        return median_ms(lambda: run(setup.cli("status", "--json"), env=env), runs)
+        return timed(lambda: run(setup.cli("status", "--json"), env=env))
 
-    return {
-        "status --json with 1,000 leases, in-process": status(False),
-        "status --json with 1,000 leases, through the helper": status(True),
-    }
+    return both_ways("status --json with 1,000 leases", setup, runs, status)
 
 
 def phase_rows(setup: Setup, runs: int) -> dict[str, float | str]:
@@ -324,17 +347,17 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="charly-bench-") as directory:
         setup = Setup(Path(directory), args.python)
-        base = median_ms(lambda: run([args.python, "-c", "pass"]), args.runs)
+        setup.base += [timed(lambda: run([args.python, "-c", "pass"])) for _ in range(args.runs)]
         rows = hook_rows(setup, args.runs, a_non_gpu_function())
         server = Server(setup)
         try:
-            for served in (False, True):
-                rows.update(claim_rows(setup, args.runs, served))
+            rows.update(claim_rows(setup, args.runs))
             rows.update(status_rows(setup, args.runs))
             rows["a request through the helper:"] = ""
             rows.update(phase_rows(setup, args.runs))
         finally:
             server.stop()
+        base = statistics.median(setup.base)
     if not args.no_libvirt:
         rows.update(virsh_rows(max(5, args.runs // 3)))
     version = subprocess.run(
