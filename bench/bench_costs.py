@@ -214,14 +214,17 @@ NO_LEASE = f"<domain><name>nolease</name><devices>{hostdev('0000:0a:00.0')}</dev
 WAYS = {False: "in-process", True: "through the helper"}
 
 
-def both_ways(name: str, runs: int, sample: Callable[[bool], float]) -> dict[str, float | str]:
+def both_ways(
+    name: str, setup: Setup, runs: int, sample: Callable[[bool], float]
+) -> dict[str, float | str]:
     """`name`'s row in-process and through the helper, their samples taken in turn
-    (this machine's load drifts within seconds; a row measured after the other
-    would carry the drift)."""
+    with one of the baseline's (this machine's load drifts within seconds; a row
+    measured after the other, or after the baseline, would carry the drift)."""
     samples: dict[bool, list[float]] = {False: [], True: []}
     for _ in range(runs):
         for served in (False, True):
             samples[served].append(sample(served))
+        setup.base.append(timed(lambda: run([setup.python, "-c", "pass"])))
     return {f"{name}, {WAYS[served]}": statistics.median(samples[served]) for served in WAYS}
 
 
