@@ -46,7 +46,7 @@ NAME := charly-arbiter
 # A fixed PATH for the package builds: a pyenv or venv python3 earlier on PATH
 # must not end up in a Debian package.
 CLEAN_PATH := /usr/sbin:/usr/bin:/sbin:/bin
-UNITS := $(wildcard etc/systemd/*.service etc/systemd/*.timer)
+UNITS := $(wildcard etc/systemd/*.service etc/systemd/*.socket etc/systemd/*.timer)
 
 .PHONY: all man completions install install-python install-data install-cockpit install-docs deb \
 	lintian rpm-srpm \

@@ -12,12 +12,19 @@ Rows:
    without it (a real libvirtd with QEMU/TCG; skipped, with the reason, where none
    can run)
 5. hook `prepare` with a claim and nothing to preempt (the simulated host)
-6. `acquire` + `release` through the CLI (two processes)
-7. `status --json` with 1,000 leases
+6. hook `release` of a domain with a GPU hostdev and no lease (every refused start)
+7. `acquire` + `release` through the CLI (two processes)
+8. `status --json` with 1,000 leases
+Rows 5-8 twice, their samples taken in turn with one of the baseline's:
+in-process (CHARLY_ARBITER_SERVE=off), and through the resident helper
+(`charly-arbiter serve`, started by hand in this run with the same interpreter;
+CHARLY_ARBITER_SERVE=must, so a row fails rather than measure a command that
+ran in-process); then where a request through the helper spends its time
+(serve_phases.py).
 
 The hook is run as libvirt runs it: hooks/qemu (sh), which execs a launcher
 like the one the package installs (`#!PYTHON` + `from charly_arbiter.cli
-import main`), pointed at this checkout.
+import main`), pointed at this checkout; the CLI's rows run that launcher too.
 
 Run: python3 bench/bench_costs.py [--python /usr/bin/python3] [--runs N] [--no-libvirt]
 """
@@ -95,6 +102,7 @@ class Setup:
     def __init__(self, root: Path, python: str) -> None:
         self.root = root
         self.python = python
+        self.base: list[float] = []  # `python -c pass`, sampled throughout the run
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("CHARLY_ARBITER_")}
         self.env["PYTHONPATH"] = str(REPO)
         subprocess.run(
@@ -121,7 +129,53 @@ class Setup:
         }
 
     def cli(self, *args: str) -> list[str]:
-        return [self.python, "-m", "charly_arbiter", *args]
+        """The program as installed (the launcher, not `python -m`, whose runpy costs
+        milliseconds the installed program does not pay)."""
+        return [str(self.launcher), *args]
+
+    def ways(self, served: bool) -> tuple[dict[str, str], dict[str, str]]:
+        """The CLI's and the hook's environment, in-process or through the helper."""
+        how = {"CHARLY_ARBITER_SERVE": "off"}
+        if served:
+            how = {
+                "CHARLY_ARBITER_SERVE": "must",
+                "CHARLY_ARBITER_SOCKET": str(self.socket),
+                # Generous: a row measures how long it takes, never a fall-back.
+                "CHARLY_ARBITER_SERVE_DEADLINE_MS": "2000",
+            }
+        return {**self.env, **how}, {**self.hook_env, **how}
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "serve.sock"
+
+
+class Server:
+    """`charly-arbiter serve` on the setup's socket, started by hand for this run."""
+
+    def __init__(self, setup: Setup) -> None:
+        self.process = subprocess.Popen(
+            [*setup.cli("serve", "--socket", str(setup.socket))],
+            env=setup.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        env, _ = setup.ways(served=True)
+        deadline = time.monotonic() + 60
+        while True:
+            if self.process.poll() is not None:
+                raise SystemExit(f"serve exited: {self.process.communicate()[1].decode()}")
+            probe = subprocess.run(setup.cli("--version"), env=env, capture_output=True)
+            if probe.returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit(f"serve did not answer: {probe.stderr.decode()}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
 
 
 def hook_rows(setup: Setup, runs: int, nic: str | None) -> dict[str, float | str]:
@@ -147,28 +201,71 @@ def hook_rows(setup: Setup, runs: int, nic: str | None) -> dict[str, float | str
         rows["hook prepare, only a hostdev that is not a GPU"] = median_ms(
             lambda: run([hook, "n", "prepare", "begin", "-"], nic_xml, nic_env), runs
         )
-    claim = (
-        f"<domain><name>bench</name><metadata><ca:claim xmlns:ca='{NAMESPACE}' mode='shared'>"
-        "<ca:token>gpu1</ca:token></ca:claim></metadata></domain>"
-    ).encode()
-    prepares = []
-    for _ in range(runs):
-        started = time.perf_counter()
-        run([hook, "bench", "prepare", "begin", "-"], claim, env)
-        prepares.append((time.perf_counter() - started) * 1000)
-        run([hook, "bench", "release", "end", "destroyed"], claim, env)
-    rows["hook prepare, a claim with nothing to preempt"] = statistics.median(prepares)
     return rows
 
 
-def cli_rows(setup: Setup, runs: int) -> dict[str, float | str]:
-    env = setup.env
+CLAIM = (
+    f"<domain><name>bench</name><metadata><ca:claim xmlns:ca='{NAMESPACE}' mode='shared'>"
+    "<ca:token>gpu1</ca:token></ca:claim></metadata></domain>"
+).encode()
+NO_LEASE = f"<domain><name>nolease</name><devices>{hostdev('0000:0a:00.0')}</devices></domain>"
 
-    def cycle() -> None:
-        run(setup.cli("acquire", "--exclusive", "libvirt:bench", "gpu0"), env=env)
-        run(setup.cli("release", "--force", "libvirt:bench"), env=env)
 
-    rows: dict[str, float | str] = {"acquire + release through the CLI": median_ms(cycle, runs)}
+WAYS = {False: "in-process", True: "through the helper"}
+
+
+def both_ways(
+    name: str, setup: Setup, runs: int, sample: Callable[[bool], float]
+) -> dict[str, float | str]:
+    """`name`'s row in-process and through the helper, their samples taken in turn
+    with one of the baseline's (this machine's load drifts within seconds; a row
+    measured after the other, or after the baseline, would carry the drift)."""
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    for _ in range(runs):
+        for served in (False, True):
+            samples[served].append(sample(served))
+        setup.base.append(timed(lambda: run([setup.python, "-c", "pass"])))
+    return {f"{name}, {WAYS[served]}": statistics.median(samples[served]) for served in WAYS}
+
+
+def timed(action: Callable[[], object]) -> float:
+    started = time.perf_counter()
+    action()
+    return (time.perf_counter() - started) * 1000
+
+
+def claim_rows(setup: Setup, runs: int) -> dict[str, float | str]:
+    """Rows 5-7."""
+    hook = str(setup.hook)
+
+    def prepare(served: bool) -> float:
+        _, env = setup.ways(served)
+        took = timed(lambda: run([hook, "bench", "prepare", "begin", "-"], CLAIM, env))
+        run([hook, "bench", "release", "end", "destroyed"], CLAIM, env)
+        return took
+
+    def release(served: bool) -> float:
+        _, env = setup.ways(served)
+        return timed(lambda: run([hook, "nolease", "release", "end", "-"], NO_LEASE.encode(), env))
+
+    def cycle(served: bool) -> float:
+        env, _ = setup.ways(served)
+        return timed(
+            lambda: (
+                run(setup.cli("acquire", "--exclusive", "libvirt:bench", "gpu0"), env=env),
+                run(setup.cli("release", "--force", "libvirt:bench"), env=env),
+            )
+        )
+
+    return {
+        **both_ways("hook prepare, a claim with nothing to preempt", setup, runs, prepare),
+        **both_ways("hook release, a GPU hostdev and no lease", setup, runs, release),
+        **both_ways("acquire + release through the CLI", setup, runs, cycle),
+    }
+
+
+def status_rows(setup: Setup, runs: int) -> dict[str, float | str]:
+    """Row 8, both ways, on a ledger of 1,000 leases."""
     root = setup.root / "sim"
     template = Lease(
         claimant="container:c",
@@ -184,8 +281,36 @@ def cli_rows(setup: Setup, runs: int) -> dict[str, float | str]:
             txn.state,
             leases=tuple(replace(template, claimant=f"container:c{i}") for i in range(1000)),
         )
-    rows["status --json with 1,000 leases"] = median_ms(
-        lambda: run(setup.cli("status", "--json"), env=env), runs
+
+    def status(served: bool) -> float:
+        env, _ = setup.ways(served)
+        return timed(lambda: run(setup.cli("status", "--json"), env=env))
+
+    return both_ways("status --json with 1,000 leases", setup, runs, status)
+
+
+def phase_rows(setup: Setup, runs: int) -> dict[str, float | str]:
+    """Where a request through the helper spends its time (serve_phases.py, run by the
+    interpreter measured)."""
+    env, _ = setup.ways(served=True)
+    result = subprocess.run(
+        [setup.python, str(REPO / "bench" / "serve_phases.py"), str(runs)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"serve_phases.py: {result.stderr[-500:]}")
+    rows: dict[str, float | str] = {}
+    for line in result.stdout.splitlines():
+        name, _, value = line.rpartition(" ")
+        rows[f"  {name} (ms)"] = float(value)
+    rows["  the client's start: python + `import charly_arbiter.cli` (ms)"] = median_ms(
+        lambda: run(
+            [setup.python, "-c", "import charly_arbiter.cli, charly_arbiter.serve.client"],
+            env=setup.env,
+        ),
+        runs,
     )
     return rows
 
@@ -225,8 +350,17 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="charly-bench-") as directory:
         setup = Setup(Path(directory), args.python)
-        base = median_ms(lambda: run([args.python, "-c", "pass"]), args.runs)
-        rows = {**hook_rows(setup, args.runs, a_non_gpu_function()), **cli_rows(setup, args.runs)}
+        setup.base += [timed(lambda: run([args.python, "-c", "pass"])) for _ in range(args.runs)]
+        rows = hook_rows(setup, args.runs, a_non_gpu_function())
+        server = Server(setup)
+        try:
+            rows.update(claim_rows(setup, args.runs))
+            rows.update(status_rows(setup, args.runs))
+            rows["a request through the helper:"] = ""
+            rows.update(phase_rows(setup, args.runs))
+        finally:
+            server.stop()
+        base = statistics.median(setup.base)
     if not args.no_libvirt:
         rows.update(virsh_rows(max(5, args.runs // 3)))
     version = subprocess.run(
@@ -238,7 +372,9 @@ def main() -> int:
     print(f"{args.python} (Python {version}); medians of {args.runs} runs")
     print(f"  {'python3 -c pass':<58} {base:8.1f} ms    1.0x")
     for name, value in rows.items():
-        if isinstance(value, str):
+        if value == "":
+            print(f"  {name}")
+        elif isinstance(value, str):
             print(f"  {name:<58} {value}")
         elif name.endswith("(%)"):
             print(f"  {name:<58} {value:+8.1f} %")

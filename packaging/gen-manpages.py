@@ -38,6 +38,20 @@ ENVIRONMENT = [
     ("CHARLY_ARBITER_STATE_DIR", "The state directory, like --state-dir."),
     ("CHARLY_ARBITER_HOST", "The host to act on, like --host."),
     ("CHARLY_ARBITER_DEBUG", "Set to 1 for debug logging, like -vv."),
+    (
+        "CHARLY_ARBITER_SERVE",
+        "off: never hand a command to the resident helper; must: fail (exit 1) rather "
+        "than run a command in-process (for checks). Unset: use the helper when it answers.",
+    ),
+    (
+        "CHARLY_ARBITER_SOCKET",
+        "The resident helper's socket (default /run/charly-arbiter/serve.sock).",
+    ),
+    (
+        "CHARLY_ARBITER_SERVE_DEADLINE_MS",
+        "How long a command waits for the resident helper to take it before it runs "
+        "in-process (default 50).",
+    ),
 ]
 
 
@@ -362,6 +376,27 @@ def detached_section() -> list[str]:
     return lines
 
 
+def resident_helper() -> list[str]:
+    lines = [
+        ".SH RESIDENT HELPER",
+        ".PP",
+        roff(
+            f"{PROGRAM} serve, started by charly-arbiter.socket (or by hand), keeps the "
+            "program imported and runs each command in a fresh fork of itself, in the "
+            "command's place (its stdin, stdout, stderr, arguments, environment, working "
+            "directory): the same command, without Python's start. Every command and hook "
+            "uses it when it answers within the deadline, and runs in-process otherwise. "
+            "Turn it off with `systemctl disable --now charly-arbiter.socket "
+            "charly-arbiter.service`."
+        ),
+        ".SS",
+        roff(f"{PROGRAM} serve [--socket PATH] [--idle-exit SECONDS] [-v]"),
+    ]
+    for row in exits.rows("serve"):
+        lines += [".TP", f"\\fB{row.code}\\fR ({exits.MEANING[row.code]})", roff(row.when)]
+    return lines
+
+
 def main_page_extra() -> list[str]:
     lines = [
         ".SH LIBVIRT HOOK",
@@ -376,6 +411,7 @@ def main_page_extra() -> list[str]:
     ]
     lines += hooks_exit_status()
     lines += detached_section()
+    lines += resident_helper()
     lines.append(".SH ENVIRONMENT")
     for variable, what in ENVIRONMENT:
         lines += [".TP", f"\\fB{variable}\\fR", roff(what)]

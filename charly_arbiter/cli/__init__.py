@@ -9,6 +9,12 @@ almost nothing.  The verbs a hook starts as a detached process of its own
 (`_finish-release`, `_watch-start`: cli/detached.py) bypass it too, and are not
 listed in --help.
 
+When it is the program (`main()` without arguments), a command is first offered
+to the resident helper (`charly-arbiter serve`, hidden from --help), which runs
+this very `main(argv)` in a fresh fork of a process that has imported everything
+already; without the helper, or when it does not answer within its deadline, the
+command runs here (serve/client.py).  The hooks offer only their slow paths.
+
 Errors are turned into one or two sentences on stderr here, at one boundary;
 a traceback only with `-v`.
 """
@@ -44,6 +50,16 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["serve"]:
+        from charly_arbiter.serve.server import main as serve_main
+
+        sys.exit(serve_main(args[1:], run=main))
+    if argv is None and args[:1] != ["hook"]:
+        from charly_arbiter.serve.client import run_program
+
+        code = run_program(args)
+        if code is not None:
+            sys.exit(code)
     if args[:2] == ["hook", "oci"]:
         from charly_arbiter.oci.hook import main as oci_main
 

@@ -311,13 +311,30 @@ TABLE: dict[str, tuple[Exit, ...]] = {
             "not one argument, or a hand-off that is not the JSON a hook writes",
         ),
     ),
+    "serve": (
+        Exit(
+            EXIT_OK,
+            "stopped by SIGTERM, SIGINT or SIGHUP, or --idle-exit passed without a request "
+            "(the commands it started finish on their own)",
+        ),
+        Exit(
+            EXIT_ERROR,
+            "it cannot listen: another server listens on the socket, something that is not a "
+            "socket is there, its directory cannot be made or others may write to it; "
+            "systemd passed more than one socket",
+        ),
+        Exit(EXIT_USAGE, "an unknown option, or an option without its value"),
+    ),
 }
 
 HOOKS = ("hook qemu", "hook oci", "hook oci-inject", "hook proxmox")
 # Started by the hooks, never by a person: hooksession.DETACHED (the same names).
 DETACHED = ("_finish-release", "_watch-start")
+# Commands dispatched before click, with their own arguments: the resident helper
+# (hidden from --help; it reads no configuration, so EVERY_COMMAND's rows are not its).
+UNLISTED = ("serve",)
 # What has no options of click's (EVERY_COMMAND's usage row is not theirs).
-OWN_ARGV = HOOKS + DETACHED
+OWN_ARGV = HOOKS + DETACHED + UNLISTED
 
 
 def rows(command: str) -> tuple[Exit, ...]:

@@ -6,7 +6,9 @@ already let through only the operations handled here and XML that mentions a
 hostdev or a claim element; this scans the XML's bytes once more and looks at
 each PCI hostdev's class in sysfs, so that a VM with a NIC or a USB controller
 passed through is let go before the configuration, the ledger or libvirt are
-loaded.  Everything after that is `hookrun`, imported here and only here.
+loaded.  Everything after that is `hookrun`, imported here and only here, unless
+the resident helper takes it (`serve`: the same command, with the XML read here,
+in a process that has imported everything already).
 
 Contract (docs/libvirt.md): nothing on stdout (libvirt reads it as XML for
 some operations); `prepare` refuses with a non-zero exit and one or two
@@ -51,13 +53,13 @@ def main(argv: list[str]) -> int:
     # libvirt goes on only on 0: a refused (3), unusable (2) or failed (1) prepare
     # keeps the VM from starting; a stop is never held back.
     return guarded(
-        lambda: _dispatch(guest, operation, extra),
+        lambda: _dispatch(argv, guest, operation, extra),
         what=f"the {operation} hook for {guest!r}",
         lets_go=lambda: operation in ALWAYS_SUCCEED,
     )
 
 
-def _dispatch(guest: str, operation: str, extra: str) -> int:
+def _dispatch(argv: list[str], guest: str, operation: str, extra: str) -> int:
     xml = _read_stdin()
     # Too large to read whole: refused at prepare; otherwise the ledger decides.
     oversized = len(xml) > MAX_XML
@@ -70,6 +72,11 @@ def _dispatch(guest: str, operation: str, extra: str) -> int:
         return 1
     if not oversized and not may_claim(xml):
         return 0  # the fast path: no GPU hostdev, no claim element
+    from charly_arbiter.serve.client import forward
+
+    served = forward(["hook", *argv], xml)
+    if served is not None:
+        return served
     from charly_arbiter.libvirt import hookrun
 
     return hookrun.dispatch(guest, operation, extra, None if oversized else xml)

@@ -8,7 +8,8 @@ or a CDI device; this parses the state and the spec and looks at each
 character device in sysfs (`/sys/dev/char/MAJOR:MINOR`) and /proc/devices, so
 that a container given /dev/fuse or /dev/net/tun is let go before the
 configuration, the ledger or the host are loaded.  Everything after that is
-`hookrun`, imported here and only here.
+`hookrun`, imported here and only here, unless the resident helper takes it
+(`serve`: the same command, with the state read here).
 
 The stage comes from the state's status (`creating`: the prestart hook, a
 claim; `stopped`: poststop, a release) unless an argument names it.
@@ -51,13 +52,13 @@ def main(argv: list[str]) -> int:
             return 2
     stages = [stage]  # what _dispatch learns from the state, for the boundary
     return guarded(
-        lambda: _dispatch(stages, engine),
+        lambda: _dispatch(argv, stages, engine),
         what="the OCI hook",
         lets_go=lambda: stages[-1] == "release",
     )
 
 
-def _dispatch(stages: list[str | None], engine: str | None) -> int:
+def _dispatch(argv: list[str], stages: list[str | None], engine: str | None) -> int:
     import json
 
     raw = sys.stdin.buffer.read(MAX_STATE + 1)
@@ -76,6 +77,11 @@ def _dispatch(stages: list[str | None], engine: str | None) -> int:
     spec = _read_spec(state.get("bundle"))
     if spec is not None and not may_claim(spec, state):
         return 0  # the fast path: no GPU device, no CDI device
+    from charly_arbiter.serve.client import forward
+
+    served = forward(["hook", "oci", *argv], raw)
+    if served is not None:
+        return served
     from charly_arbiter.oci import hookrun
 
     return hookrun.dispatch(stage, state, spec, engine)

@@ -13,7 +13,9 @@ The path for a VM that names no PCI device imports almost nothing (`os` and
 `sys`): it reads the VM's configuration file and scans the bytes of its main
 section for `hostpci` and the override's `charly-`; at `post-stop` it also
 scans the ledger for a lease of the VM (its hostpci lines may have gone with
-pending changes applied at the stop).  Everything after that is `hookrun`.
+pending changes applied at the stop).  Everything after that is `hookrun`, unless
+the resident helper takes it (`serve`: the same command, in a process that has
+imported everything already).
 
 Contract (docs/proxmox.md): nothing on stdout; `pre-start` refuses with exit 1
 and one or two sentences on stderr (Proxmox shows them in the start task's
@@ -82,6 +84,11 @@ def _dispatch(vmid: str, phase: str) -> int:
         if phase == "post-start":
             return 0  # the watcher then asks whether the VM runs
 
+    from charly_arbiter.serve.client import forward
+
+    served = forward(["hook", "proxmox", vmid, phase])
+    if served is not None:
+        return served
     from charly_arbiter.proxmox import hookrun
 
     return hookrun.dispatch(vmid, phase)

@@ -49,7 +49,7 @@ PLAN = (
         ),
         desktop=True,
     ),
-    Boot(("reconciled",)),
+    Boot(("reconciled", "resident_helper")),
 )
 
 
@@ -362,3 +362,28 @@ def test_the_reconcile_unit_puts_the_host_back_at_the_next_boot(guest: Run) -> N
     assert after["drivers"] == HOME
     assert us.HOLDER in holders_of_card(after)
     assert after["violations"] == []
+
+
+# -- the resident helper ---------------------------------------------------------------------
+
+
+def test_the_resident_helper_is_socket_activated_and_never_in_the_way(guest: Run) -> None:
+    """charly-arbiter.socket and .service, as installed, under systemd as PID 1."""
+    record = guest.scenario("resident_helper")
+    ok(record["start"])
+    assert record["socket"] == {"socket": True, "mode": "0o600", "uid": 0}
+    ok(record["status"])  # CHARLY_ARBITER_SERVE=must: the service took it
+    assert record["service"]["ActiveState"] == "active", record["journal"]
+    assert record["service"]["KillMode"] == "process"
+    ok(record["acquire"])
+    # The release's child was in the service's cgroup when the service stopped, and
+    # stayed (KillMode=process): the command finished, through the helper.
+    before, after = set(record["in_service_before_stop"]), set(record["in_service_after_stop"])
+    assert after and after <= before, (before, after)
+    assert int(record["service"]["MainPID"]) not in after
+    ok(record["stop_service"])
+    assert record["release"]["rc"] == 0, record["release"]
+    assert steps(record)["released"]["ledger"]["leases"] == []
+    ok(record["stop_all"])
+    assert record["socket_after_stop"] is False, "RemoveOnStop= took the socket away"
+    ok(record["in_process"])

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import chain
 import sysfacts
 from sysfacts import CARD, GPU, active, card_holders, cli, journal_of, systemctl, wait_for
 
@@ -384,3 +385,74 @@ def scenario_reconciled(s: Any) -> None:
     )
     s.out["holder_journal"] = journal_of(HOLDER)
     s.step("after_boot")
+
+
+# -- the resident helper --------------------------------------------------------------
+
+
+HELPER = "charly-arbiter.service"
+HELPER_SOCKET = "charly-arbiter.socket"
+HELPER_PATH = "/run/charly-arbiter/serve.sock"
+HELPER_CGROUP = f"/sys/fs/cgroup/system.slice/{HELPER}/cgroup.procs"
+# A command that must go through the helper; the first starts the service (a Python
+# start under TCG takes seconds, far past the deadline a host lives with).
+SERVED = {"CHARLY_ARBITER_SERVE": "must", "CHARLY_ARBITER_SERVE_DEADLINE_MS": "240000"}
+
+
+def helper_processes() -> list[int]:
+    try:
+        with open(HELPER_CGROUP) as procs:
+            return sorted(int(line) for line in procs.read().split())
+    except OSError:
+        return []
+
+
+def scenario_resident_helper(s: Any) -> None:
+    """charly-arbiter.socket and .service under systemd as PID 1, installed as `make
+    install` lays them out: the socket listens (root, 0600) and its first
+    connection starts the service, which runs the command; a claim through it; a
+    stop of the service while a command runs in it (KillMode=process: the command
+    finishes); with both stopped, commands run in-process again."""
+    import fcntl
+    import os
+    import stat
+
+    s.watch(HELPER_SOCKET, HELPER)
+    s.expect(f"systemd:{HOLDER}")
+    served = {**os.environ, **SERVED}
+    s.out["start"] = systemctl("start", HELPER_SOCKET)
+    found = os.stat(HELPER_PATH)
+    s.out["socket"] = {
+        "socket": stat.S_ISSOCK(found.st_mode),
+        "mode": oct(stat.S_IMODE(found.st_mode)),
+        "uid": found.st_uid,
+    }
+    s.out["status"] = chain.run([chain.CLI, "status", "--json"], env=served, timeout=300)
+    s.out["service"] = sysfacts.unit(HELPER, ("ActiveState", "MainPID", "KillMode"))
+    s.step("activated")
+    with claimant() as me:
+        s.out["acquire"] = chain.run([chain.CLI, "acquire", "--shared", me, "gpu"], env=served)
+        s.step("claimed")
+        lock = os.open(chain.STATE_DIR / "ledger.lock", os.O_RDWR | os.O_CLOEXEC)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the release waits for it, in its child
+        release = subprocess.Popen(
+            [chain.CLI, "release", "--force", me],
+            env=served,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        main = int(s.out["service"]["MainPID"])
+        wait_for(lambda: len(set(helper_processes()) - {main}) >= 3, 120)  # 2 spares + it
+        s.out["in_service_before_stop"] = helper_processes()
+        s.out["stop_service"] = systemctl("stop", HELPER)
+        s.out["in_service_after_stop"] = helper_processes()
+        os.close(lock)
+        out, err = release.communicate(timeout=240)
+        s.out["release"] = {"rc": release.returncode, "stdout": out, "stderr": err}
+        s.step("released")
+    s.out["stop_all"] = systemctl("stop", HELPER_SOCKET, HELPER)
+    s.out["socket_after_stop"] = os.path.exists(HELPER_PATH)
+    s.out["in_process"] = chain.run([chain.CLI, "status", "--json"])
+    s.out["journal"] = journal_of(HELPER)
+    s.step("stopped")

@@ -23,6 +23,8 @@ HOOK = "/etc/libvirt/hooks/qemu.d/charly-arbiter"
 CONFIG = "/etc/charly-arbiter/arbiter.toml"
 STATE_DIR = "/var/lib/charly-arbiter"
 UNIT = "/lib/systemd/system/charly-arbiter-reconcile.service"
+# The resident helper's units, enabled by the package (started where systemd runs).
+HELPER = ("/lib/systemd/system/charly-arbiter.socket", "/lib/systemd/system/charly-arbiter.service")
 OCI_HOOK = "/usr/libexec/charly-arbiter/oci-hook"
 OCI_HOOK_JSON = "/usr/share/containers/oci/hooks.d/charly-arbiter.json"
 
@@ -87,8 +89,14 @@ def test_installs_with_apt_and_runs_on_debian_libraries(chroot: Chroot, deb: Deb
     ), "the reconcile unit is not enabled"
     metrics_timer = "/etc/systemd/system/timers.target.wants/charly-arbiter-metrics.timer"
     assert not os.path.lexists(chroot.path(metrics_timer)), "the metrics timer is opt-in"
+    for wants, unit in (
+        ("sockets", "charly-arbiter.socket"),
+        ("multi-user", "charly-arbiter.service"),
+    ):
+        link = chroot.path(f"/etc/systemd/system/{wants}.target.wants/{unit}")
+        assert link.is_symlink(), f"the resident helper's {unit} is not enabled"
     # --man=no: the chroot has no man-db (the machine-install test checks the man pages).
-    chroot.run("systemd-analyze", "verify", "--man=no", UNIT)
+    chroot.run("systemd-analyze", "verify", "--man=no", UNIT, *HELPER)
     for path in (
         "/usr/share/man/man8/charly-arbiter.8.gz",
         "/usr/share/man/man8/charly-arbiter-restore.8.gz",
