@@ -26,8 +26,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from charly_arbiter.core.model import VFIO, LedgerState, Mode
-from charly_arbiter.core.planner import blocks_token
+from charly_arbiter.core.model import VFIO, LedgerState, Mode, blocks_token
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import Events, drivers_label
-from charly_arbiter.core.host import Blocker, Holder, Host, TokenSpec
+from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.liveness import claimant_liveness, stranded_claimants
 from charly_arbiter.core.model import (
@@ -31,13 +31,13 @@ from charly_arbiter.core.model import (
     ProcessRef,
     StepState,
     StoppedHolder,
+    blocks_token,
     now,
 )
 from charly_arbiter.core.planner import (
     NO_POLICY,
     ClaimPlan,
     Policy,
-    blocks_token,
     decide_claim,
     unaccounted,
     unaccounted_hint,
@@ -45,7 +45,7 @@ from charly_arbiter.core.planner import (
 from charly_arbiter.core.release_planner import ReleasePlan, may_run_on_it
 from charly_arbiter.core.releasing import Releaser
 from charly_arbiter.core.switching import Switching
-from charly_arbiter.core.tokens import TokenCatalogue
+from charly_arbiter.core.tokens import TokenCatalogue, vf_specs
 from charly_arbiter.errors import (
     ArbiterError,
     ClaimantRunning,
@@ -164,6 +164,8 @@ class Arbiter:
             boot_id=boot_id,
             blockers=self._blockers(mode, tokens),
             coverage=self.tokens.addresses(),
+            parents=self.tokens.physical_functions(),
+            vf_users=self._vf_users(mode, tokens),
         )
 
     def plan_release(self, claimant: str, *, force: bool = False) -> ReleasePlan | None:
@@ -176,6 +178,13 @@ class Arbiter:
             return {}
         found = {token.name: self.host.passthrough_blocker(token) for token in tokens}
         return {name: blocker for name, blocker in found.items() if blocker is not None}
+
+    def _vf_users(self, mode: Mode, tokens: Sequence[TokenSpec]) -> list[DeviceUser]:
+        """Who has a node of the tokens' virtual functions open (a VM's /dev/vfio/N, a
+        DRM node): an exclusive claim on their physical function names them."""
+        if mode is not Mode.EXCLUSIVE:
+            return []
+        return list(self.host.device_users(vf_specs(self.host, tokens)))
 
     # -- acquiring ---------------------------------------------------------------
 
@@ -230,6 +239,7 @@ class Arbiter:
         seen = self.ledger.read()
         holders = self.host.holders(tokens)
         blockers = self._blockers(mode, tokens)
+        vf_users = self._vf_users(mode, tokens)
         boot_id = self.host.boot_id()
         alive = claimant_liveness(self.host, seen, boot_id)
         with self.ledger.transaction() as txn:
@@ -247,6 +257,8 @@ class Arbiter:
                 boot_id=boot_id,
                 blockers=blockers,
                 coverage=self.tokens.addresses(),
+                parents=self.tokens.physical_functions(),
+                vf_users=vf_users,
             )
             if plan.already_held:
                 own = txn.state.lease_of(claimant)

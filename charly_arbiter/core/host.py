@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from charly_arbiter.core.model import Claimant, ProcessRef
-from charly_arbiter.core.pci import slot_of
+from charly_arbiter.core.pci import slot_of, vf_address
 from charly_arbiter.errors import cli_command
 
 # Switch targets: a driver name, or NO_DRIVER for "not vfio-pci, whatever the
@@ -39,10 +39,20 @@ class Sriov:
 
     total_vfs: int
     vfs: tuple[str, ...] = ()
+    # Where the kernel puts the VFs (`sriov_offset`, `sriov_stride`): a VF's address is
+    # known before it exists, and after its `physfn` link is gone (a stuck teardown).
+    offset: int = 1
+    stride: int = 1
 
     @property
     def num_vfs(self) -> int:
         return len(self.vfs)
+
+    def possible(self, physfn: str) -> tuple[str, ...]:
+        """Every address a VF of the physical function at `physfn` can have."""
+        return tuple(
+            vf_address(physfn, index, self.offset, self.stride) for index in range(self.total_vfs)
+        )
 
 
 def sriov_enabled_why(count: int) -> str:
@@ -93,12 +103,27 @@ class TokenSpec:
     home_driver: str | None = None  # from the configuration, when the operator set one
     cdi: bool = True
     console: str = "refuse"  # a GPU driving the console: refuse, or "release" the console
+    # A token configured on a virtual function, whose physical function's token (its
+    # `sriov_offset` and `sriov_stride`) places it there: that PF's address.  Known
+    # whether the VF exists now or not; its `functions` are empty while it does not.
+    vf_of: str | None = None
 
     @property
     def physical_function(self) -> str | None:
         """For a token on a virtual function: the physical function it belongs to."""
         primary = next((f for f in self.functions if f.address == self.address), None)
-        return primary.physfn if primary is not None else None
+        physfn = primary.physfn if primary is not None else None
+        return physfn or self.vf_of
+
+    @property
+    def label(self) -> str:
+        """How refusals name it: `gpu0 (0000:0a:00.0)`."""
+        return f"{self.name} ({self.address})"
+
+    @property
+    def absent(self) -> bool:
+        """A token on a virtual function that does not exist now (its PF has fewer VFs)."""
+        return not self.functions
 
     @property
     def virtual_functions(self) -> tuple[str, ...]:

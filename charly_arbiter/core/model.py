@@ -300,6 +300,13 @@ class Lease:
         return replace(self, stopped=tuple(records))
 
 
+def blocks_token(lease: Lease, token: str) -> bool:
+    """Whether `lease` still holds `token` (a releasing lease lets go token by token)."""
+    if token not in lease.tokens:
+        return False
+    return not (lease.state is LeaseState.RELEASING and lease.switch_state(token) is StepState.DONE)
+
+
 @dataclass(frozen=True)
 class Poison:
     reason: str

@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from charly_arbiter.core.events import a_or_an
-from charly_arbiter.core.host import NO_DRIVER, Blocker, Holder, TokenSpec
+from charly_arbiter.core.host import NO_DRIVER, Blocker, DeviceUser, Holder, TokenSpec
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
@@ -21,8 +21,10 @@ from charly_arbiter.core.model import (
     Mode,
     StepState,
     StoppedHolder,
+    blocks_token,
     human_time,
 )
+from charly_arbiter.core.vfs import refuse_by_relation
 from charly_arbiter.errors import (
     ClaimRefused,
     PassthroughImpossible,
@@ -155,13 +157,6 @@ def overlapping(
     return None
 
 
-def blocks_token(lease: Lease, token: str) -> bool:
-    """Whether `lease` still holds `token` (a releasing lease lets go token by token)."""
-    if token not in lease.tokens:
-        return False
-    return not (lease.state is LeaseState.RELEASING and lease.switch_state(token) is StepState.DONE)
-
-
 def decide_claim(
     ledger: LedgerState,
     claimant: Claimant,
@@ -175,6 +170,8 @@ def decide_claim(
     boot_id: str | None = None,
     blockers: Mapping[str, Blocker] | None = None,
     coverage: Mapping[str, Collection[str]] | None = None,
+    parents: Mapping[str, str] | None = None,
+    vf_users: Sequence[DeviceUser] = (),
 ) -> ClaimPlan:
     """Decide a claim, or raise the `ClaimRefused` that says why it cannot be had.
 
@@ -184,7 +181,11 @@ def decide_claim(
     host cannot pass through at all; an exclusive claim on one is refused
     before anything is stopped.  `coverage` maps every token of the catalogue to
     its functions' addresses: a claim on a function another token's lease (or
-    poison) covers is refused, whatever the tokens are called.
+    poison) covers is refused, whatever the tokens are called.  `parents` maps
+    each token on an SR-IOV virtual function to its physical function's address,
+    and `vf_users` are the processes that have a node of a claimed token's VFs
+    open: the PF↔VF rules of `core/vfs.py` refuse an exclusive claim on a PF
+    whose VFs are in use, and a claim on a VF whose PF is held exclusively.
     """
     names = tuple(token.name for token in tokens)
     for token in tokens:
@@ -212,6 +213,15 @@ def decide_claim(
             raise TokenUnaccounted(
                 _label(token), claimant, ", ".join(found), hint=unaccounted_hint(token.name)
             )
+    refuse_by_relation(
+        ledger,
+        claimant,
+        mode,
+        tokens,
+        parents=parents or {},
+        coverage=coverage or {},
+        vf_users=vf_users,
+    )
     if mode is Mode.EXCLUSIVE:
         for token in tokens:
             blocker = (blockers or {}).get(token.name)
@@ -592,4 +602,4 @@ def _refuse_by_policy(
 
 
 def _label(token: TokenSpec) -> str:
-    return f"{token.name} ({token.address})"
+    return token.label

@@ -47,8 +47,9 @@ from charly_arbiter.core.model import (
     ProcessRef,
     StepState,
     StoppedHolder,
+    blocks_token,
 )
-from charly_arbiter.core.planner import Switch, blocks_token, home_map
+from charly_arbiter.core.planner import Switch, home_map
 from charly_arbiter.errors import ClaimantRunning, LeaseInProgress
 
 # -- 1. may it be released, and the intent ------------------------------------------------

@@ -22,13 +22,13 @@ the host together; `merged` says which (doctor shows it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from charly_arbiter.core.config import DEFAULT_CONFIG, Config
 from charly_arbiter.core.host import Host, PciFunction, TokenSpec
-from charly_arbiter.errors import TokensOverlap, UnknownToken
+from charly_arbiter.errors import HostError, TokensOverlap, UnknownToken
 
 
 def overlap(specs: Iterable[TokenSpec]) -> tuple[str, str, str] | None:
@@ -62,6 +62,29 @@ def check_overlap(specs: Iterable[TokenSpec], config_path: Path) -> None:
         raise TokensOverlap(config_path, *found)
 
 
+def _with_physical_functions(
+    specs: dict[str, TokenSpec], missing: Mapping[str, HostError]
+) -> dict[str, TokenSpec]:
+    """Each configured token that sits where a configured physical function puts a
+    virtual function learns that PF's address (`vf_of`), whether the VF exists now or
+    not: the count may be 0, or a teardown stuck half-way may have taken its `physfn`
+    link.  A configured address that is no device and no such VF is an error, as before.
+    """
+    places = {
+        vf: function.address
+        for spec in specs.values()
+        for function in spec.functions
+        if function.sriov is not None
+        for vf in function.sriov.possible(function.address)
+    }
+    for name, spec in list(specs.items()):
+        if name in missing and spec.address not in places:
+            raise missing[name]
+        if spec.address in places:
+            specs[name] = replace(spec, vf_of=places[spec.address])
+    return specs
+
+
 class TokenCatalogue:
     def __init__(self, config: Config, host: Host) -> None:
         self.config = config
@@ -80,8 +103,12 @@ class TokenCatalogue:
             specs: dict[str, TokenSpec] = {}
             merged: dict[str, str] = {}
             if self.config.tokens:
+                missing: dict[str, HostError] = {}
                 for token in self.config.tokens:
-                    functions = tuple(self.host.token_functions(token.name, token.address))
+                    try:
+                        functions = tuple(self.host.token_functions(token.name, token.address))
+                    except HostError as error:
+                        functions, missing[token.name] = (), error
                     specs[token.name] = TokenSpec(
                         token.name,
                         token.address,
@@ -90,6 +117,7 @@ class TokenCatalogue:
                         token.cdi,
                         token.console or self.config.console,
                     )
+                specs = _with_physical_functions(specs, missing)
             else:
                 for gpu in self.host.gpus():
                     if gpu.is_virtual:
@@ -153,5 +181,34 @@ class TokenCatalogue:
                 return spec.name
         return None
 
+    def physical_functions(self) -> dict[str, str]:
+        """token -> its physical function's address, for the tokens on virtual functions:
+        what the planner needs to treat a leased VF as a use of its PF."""
+        return {
+            name: pf
+            for name, spec in self.all().items()
+            if (pf := spec.physical_function) is not None
+        }
+
     def functions_now(self, token: TokenSpec) -> Sequence[PciFunction]:
-        return self.host.token_functions(token.name, token.address)
+        """The token's functions, read again; none for a VF token whose VF is gone."""
+        try:
+            return self.host.token_functions(token.name, token.address)
+        except HostError:
+            if token.vf_of is None:
+                raise
+            return ()
+
+
+def vf_specs(host: Host, tokens: Iterable[TokenSpec]) -> list[TokenSpec]:
+    """Each virtual function the tokens have now, as a token of its own named by its
+    address (what a scan of device holders takes); one that went meanwhile is left out."""
+    found = []
+    for token in tokens:
+        for vf in token.virtual_functions:
+            try:
+                functions = tuple(host.token_functions(vf, vf))
+            except HostError:
+                continue
+            found.append(TokenSpec(vf, vf, functions, cdi=False))
+    return found

@@ -192,7 +192,14 @@ class SimHost:
                     if driver in (None, VFIO)
                     else None,
                     physfn=device.get("physfn"),
-                    sriov=Sriov(int(total), tuple(a for _, a in links)) if total else None,
+                    sriov=Sriov(
+                        int(total),
+                        tuple(a for _, a in links),
+                        int(device.get("sriov_offset", 1)),
+                        int(device.get("sriov_stride", 1)),
+                    )
+                    if total
+                    else None,
                 )
             )
         return result

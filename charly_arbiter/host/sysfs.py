@@ -184,7 +184,15 @@ class Sysfs:
             if name.startswith("virtfn") and name[6:].isdigit()
         )
         vfs = (self._link_name(address, name) for _, name in links)
-        return Sriov(int(total), tuple(vf for vf in vfs if vf is not None))
+        offset, stride = (
+            self.attribute(address, name) for name in ("sriov_offset", "sriov_stride")
+        )
+        return Sriov(
+            int(total),
+            tuple(vf for vf in vfs if vf is not None),
+            int(offset) if offset.isdigit() else 1,
+            int(stride) if stride.isdigit() else 1,
+        )
 
     def _link_name(self, address: str, link: str) -> str | None:
         try:

@@ -41,8 +41,8 @@ from charly_arbiter.core.model import (
     ProcessRef,
     StepState,
     StoppedHolder,
+    blocks_token,
 )
-from charly_arbiter.core.planner import blocks_token
 from charly_arbiter.core.release_planner import (
     Comeback,
     ComebackWay,

@@ -1,0 +1,156 @@
+"""The rules between a physical function and its virtual functions (SR-IOV), pure.
+
+A virtual function is a device of its own for the IOMMU and for the VM that
+gets it, but it lives on its physical function: the PF's driver made it, a
+reset or a switch of the PF takes it away, and the PF cannot leave for vfio-pci
+while it has VFs.  So a lease on a VF token is a shared use of its PF on the
+PF's home driver, and the planner treats it as one: a claim on a VF is refused
+while its PF is held exclusively (or poisoned, or its VF count is changing),
+and an exclusive claim on the PF is refused while any of its VFs is leased or
+open, naming them.  Shared claims on the PF go on beside the VFs' leases, as
+shared claims do beside each other.
+
+The relation is not recorded in the ledger: it is a fact of the hardware (a
+VF's address is its PF's plus `sriov_offset` plus `sriov_stride` times its
+index, known whether the VF exists or not), read by the catalogue from the
+configuration and sysfs each time (`TokenCatalogue.physical_functions`), and
+handed to the planner as pure input.  So there is no second record to keep in
+step with the VF's lease through preemption, hand-over, release and restore,
+and no crash can leave the two disagreeing: the VF's lease is the whole truth,
+and I1-I5 keep their meaning (I1 gains that no token is held exclusively while
+a lease holds one of its VFs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+
+from charly_arbiter.core.host import DeviceUser, TokenSpec, sriov_enabled_why
+from charly_arbiter.core.model import Claimant, LedgerState, Mode, blocks_token, human_time
+from charly_arbiter.errors import ClaimRefused, PassthroughImpossible, cli_command
+
+
+def pf_tokens(token: TokenSpec, coverage: Mapping[str, Collection[str]]) -> tuple[str, str] | None:
+    """For a token on a VF: its PF's address and the token that has the PF (if any)."""
+    pf = token.physical_function
+    if pf is None:
+        return None
+    owner = next(
+        (name for name in sorted(coverage) if name != token.name and pf in coverage[name]), ""
+    )
+    return pf, owner
+
+
+def leased_vfs(
+    ledger: LedgerState,
+    token: TokenSpec,
+    claimant: Claimant,
+    parents: Mapping[str, str],
+    coverage: Mapping[str, Collection[str]],
+) -> list[str]:
+    """The leases that hold a virtual function of `token`, said for a person:
+    `0000:01:00.1 (token vf0) is leased by libvirt:vm (exclusive)`."""
+    mine = {f.address for f in token.functions} | {token.address}
+    found = []
+    for lease in ledger.leases:
+        if lease.claimant == claimant:
+            continue
+        for name in lease.tokens:
+            if name == token.name or parents.get(name) not in mine:
+                continue
+            if blocks_token(lease, name):
+                where = ", ".join(sorted(coverage.get(name, ()))) or name
+                found.append(f"{where} (token {name}) is leased by {lease.claimant} ({lease.mode})")
+    return found
+
+
+def refuse_by_relation(
+    ledger: LedgerState,
+    claimant: Claimant,
+    mode: Mode,
+    tokens: Sequence[TokenSpec],
+    *,
+    parents: Mapping[str, str],
+    coverage: Mapping[str, Collection[str]],
+    vf_users: Sequence[DeviceUser] = (),
+    in_place: bool = False,
+) -> None:
+    """Raise the `ClaimRefused` the PF↔VF rules give this claim, if any.
+
+    `parents` maps each token on a VF to its PF's address; `vf_users` are the
+    processes that have a node of one of the claimed tokens' VFs open (their
+    `token` is the VF's address).  `in_place` is an exclusive claim that leaves
+    the GPU on its driver (it may keep its VFs, never while one is in use)."""
+    for token in tokens:
+        _refuse_vf_claim(ledger, claimant, token, coverage)
+    if mode is not Mode.EXCLUSIVE:
+        return
+    for token in tokens:
+        busy = leased_vfs(ledger, token, claimant, parents, coverage)
+        mine = {f.address for f in token.functions}
+        busy += [f"{user.token} is open: {user}" for user in vf_users if user.token not in mine]
+        if busy:
+            raise ClaimRefused(
+                token.label,
+                claimant,
+                f"its virtual functions are in use: {'; '.join(busy)}",
+                hint="stop what uses them first (a VM's or a container's stop ends its lease); "
+                "the physical function is not taken from under its virtual functions",
+            )
+        if token.virtual_functions and not in_place:
+            raise PassthroughImpossible(
+                token.label,
+                claimant,
+                sriov_enabled_why(len(token.virtual_functions)).split(";")[0]
+                + f": {', '.join(token.virtual_functions)}",
+                f"remove them first: {cli_command('vfs', operands=[token.name, '0'])}",
+            )
+
+
+def _refuse_vf_claim(
+    ledger: LedgerState,
+    claimant: Claimant,
+    token: TokenSpec,
+    coverage: Mapping[str, Collection[str]],
+) -> None:
+    """A claim on a VF: refused while the VF does not exist, and while its PF is
+    poisoned, held exclusively or having its VF count changed."""
+    relation = pf_tokens(token, coverage)
+    if relation is None:
+        return
+    pf, owner = relation
+    grow = (
+        f"raise the VF count of {owner}: {cli_command('vfs', operands=[owner, 'N'])}"
+        if owner
+        else f"raise the VF count of {pf} (its sriov_numvfs)"
+    )
+    if token.absent:
+        raise ClaimRefused(
+            token.label,
+            claimant,
+            f"it is a virtual function of {pf} that does not exist now",
+            hint=grow,
+        )
+    if not owner:
+        return
+    poison = ledger.poison_of(owner)
+    if poison is not None:
+        raise ClaimRefused(
+            token.label,
+            claimant,
+            f"its physical function {pf} (token {owner}) is poisoned since "
+            f"{human_time(poison.since)} ({poison.reason})",
+            hint="check the GPU and its driver by hand, then run "
+            + cli_command("poison", "clear", operands=[owner]),
+        )
+    for lease in ledger.leases_on(owner):
+        if lease.claimant == claimant or not blocks_token(lease, owner):
+            continue
+        if lease.mode is Mode.EXCLUSIVE:
+            raise ClaimRefused(
+                token.label,
+                claimant,
+                f"its physical function {pf} (token {owner}) is held exclusively by "
+                f"{lease.claimant}",
+                hint=f"stop {lease.claimant} first, or wait until it releases {owner}",
+            )
