@@ -2,7 +2,9 @@
 
 (I1) A token never has an exclusive lease beside any other lease that holds it,
      and no PCI function is held exclusively under one token name beside a lease
-     on another token that has it too (tokens never overlap).
+     on another token that has it too (tokens never overlap).  A lease on a token
+     on an SR-IOV virtual function is a use of its physical function's token: no
+     other lease holds that one exclusively meanwhile.
 (I2) A token's functions are on vfio-pci only while an exclusive lease covers it
      (in any state), it is poisoned, or its recorded home is vfio-pci (bound
      there on purpose: `adopt --admin`).
@@ -44,6 +46,8 @@ class HostFacts:
     token_functions: Mapping[str, Sequence[str]]
     running: Mapping[str, bool]
     expected_running: frozenset[str] = field(default_factory=frozenset)
+    # token on a virtual function -> the token of its physical function
+    parents: Mapping[str, str] = field(default_factory=dict)
 
 
 def violations(state: LedgerState, host: HostFacts) -> list[str]:
@@ -55,6 +59,21 @@ def violations(state: LedgerState, host: HostFacts) -> list[str]:
         if exclusive and len(holding) > 1:
             names = ", ".join(f"{item.claimant} ({item.mode}, {item.state})" for item in holding)
             found.append(f"I1: {token} is held exclusively beside another lease: {names}")
+    for lease in state.leases:
+        for vf in lease.tokens:
+            pf = host.parents.get(vf)
+            if pf is None or not blocks_token(lease, vf):
+                continue
+            for other in state.leases:
+                if (
+                    other.claimant != lease.claimant
+                    and other.mode is Mode.EXCLUSIVE
+                    and blocks_token(other, pf)
+                ):
+                    found.append(
+                        f"I1: {pf} is held exclusively by {other.claimant} ({other.state}) while "
+                        f"{lease.claimant} ({lease.mode}, {lease.state}) holds its VF {vf}"
+                    )
     owners: dict[str, set[tuple[str, str]]] = {}
     for lease in state.leases:
         for token in lease.tokens:
@@ -138,6 +157,7 @@ def sim_facts(
     snapshot: Mapping[str, object],
     token_functions: Mapping[str, Sequence[str]],
     expected_running: Collection[str],
+    parents: Mapping[str, str] | None = None,
 ) -> HostFacts:
     """HostFacts from a simulated host's `snapshot()`."""
     drivers = snapshot["drivers"]
@@ -148,4 +168,5 @@ def sim_facts(
         token_functions=token_functions,
         running={ref: bool(value) for ref, value in running.items()},
         expected_running=frozenset(expected_running),
+        parents=parents or {},
     )

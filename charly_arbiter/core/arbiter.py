@@ -164,7 +164,7 @@ class Arbiter:
             boot_id=boot_id,
             blockers=self._blockers(mode, tokens),
             coverage=self.tokens.addresses(),
-            parents=self.tokens.physical_functions(),
+            parents=self.tokens.parents(),
             vf_users=self._vf_users(mode, tokens),
         )
 
@@ -257,7 +257,7 @@ class Arbiter:
                 boot_id=boot_id,
                 blockers=blockers,
                 coverage=self.tokens.addresses(),
-                parents=self.tokens.physical_functions(),
+                parents=self.tokens.parents(),
                 vf_users=vf_users,
             )
             if plan.already_held:

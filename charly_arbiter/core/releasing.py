@@ -20,7 +20,7 @@ from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import Events, drivers_label
 from charly_arbiter.core.host import Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import VFIO, Claimant, LedgerState, ProcessRef, now
+from charly_arbiter.core.model import Claimant, LedgerState, ProcessRef, now
 from charly_arbiter.core.release_planner import (
     ComebackWay,
     End,
@@ -71,6 +71,7 @@ class Releaser:
             boot_id=self.host.boot_id(),
             live_writers=self._live_writers(state, ref),
             claimant_runs=not force and self._runs(state, ref),
+            parents=self.tokens.parents(),
         )
 
     def _runs(self, state: LedgerState, claimant: Claimant) -> bool:
@@ -161,6 +162,7 @@ class Releaser:
                 takeover=takeover,
                 success=success,
                 reason=reason,
+                parents=self.tokens.parents(),
             )
             if plan is None:
                 return None
@@ -269,7 +271,12 @@ class Releaser:
         boot_id = self.host.boot_id()
         with self.ledger.transaction() as txn:
             returned = rules.decide_return(
-                txn.state, comeback.lease, record, running=running, home=home
+                txn.state,
+                comeback.lease,
+                record,
+                running=running,
+                home=home,
+                parents=self.tokens.parents(),
             )
             txn.state = rules.apply_return(
                 txn.state, comeback, returned, boot_id=boot_id, created=now()
@@ -288,5 +295,5 @@ def _home_tokens(tokens: TokenCatalogue, names: Collection[str]) -> frozenset[st
     return frozenset(
         spec.name
         for spec in tokens.known(list(names))
-        if all(function.driver != VFIO for function in tokens.functions_now(spec))
+        if rules.home_now(replace(spec, functions=tuple(tokens.functions_now(spec))))
     )

@@ -145,10 +145,7 @@ class TokenCatalogue:
     def addresses(self) -> dict[str, frozenset[str]]:
         """token -> the addresses of its functions: what the planner checks a claim
         against, so that no function is claimed under two names."""
-        return {
-            name: frozenset(f.address for f in spec.functions) | {spec.address}
-            for name, spec in self.all().items()
-        }
+        return {name: _addresses(spec) for name, spec in self.all().items()}
 
     def refresh(self) -> None:
         """Forget what was read: the next question reads the host again (a long-lived
@@ -181,14 +178,20 @@ class TokenCatalogue:
                 return spec.name
         return None
 
-    def physical_functions(self) -> dict[str, str]:
-        """token -> its physical function's address, for the tokens on virtual functions:
-        what the planner needs to treat a leased VF as a use of its PF."""
-        return {
-            name: pf
-            for name, spec in self.all().items()
-            if (pf := spec.physical_function) is not None
-        }
+    def parents(self) -> dict[str, str]:
+        """token -> the token of its physical function, for the tokens on virtual
+        functions whose PF is a token too: what the planner needs to treat a leased VF
+        as a use of its PF."""
+        found = {}
+        for name, spec in self.all().items():
+            pf = spec.physical_function
+            owner = next(
+                (o.name for o in self.all().values() if o.name != name and pf in _addresses(o)),
+                None,
+            )
+            if pf is not None and owner is not None:
+                found[name] = owner
+        return found
 
     def functions_now(self, token: TokenSpec) -> Sequence[PciFunction]:
         """The token's functions, read again; none for a VF token whose VF is gone."""
@@ -198,6 +201,10 @@ class TokenCatalogue:
             if token.vf_of is None:
                 raise
             return ()
+
+
+def _addresses(spec: TokenSpec) -> frozenset[str]:
+    return frozenset(f.address for f in spec.functions) | {spec.address}
 
 
 def vf_specs(host: Host, tokens: Iterable[TokenSpec]) -> list[TokenSpec]:

@@ -30,17 +30,6 @@ from charly_arbiter.core.model import Claimant, LedgerState, Mode, blocks_token,
 from charly_arbiter.errors import ClaimRefused, PassthroughImpossible, cli_command
 
 
-def pf_tokens(token: TokenSpec, coverage: Mapping[str, Collection[str]]) -> tuple[str, str] | None:
-    """For a token on a VF: its PF's address and the token that has the PF (if any)."""
-    pf = token.physical_function
-    if pf is None:
-        return None
-    owner = next(
-        (name for name in sorted(coverage) if name != token.name and pf in coverage[name]), ""
-    )
-    return pf, owner
-
-
 def leased_vfs(
     ledger: LedgerState,
     token: TokenSpec,
@@ -48,19 +37,24 @@ def leased_vfs(
     parents: Mapping[str, str],
     coverage: Mapping[str, Collection[str]],
 ) -> list[str]:
-    """The leases that hold a virtual function of `token`, said for a person:
-    `0000:01:00.1 (token vf0) is leased by libvirt:vm (exclusive)`."""
-    mine = {f.address for f in token.functions} | {token.address}
+    """What holds a virtual function of `token` in the ledger, said for a person: a
+    lease (`0000:01:00.1 (token vf0) is leased by libvirt:vm (exclusive)`), or a
+    shared claimant a release is about to give its VF lease back."""
     found = []
     for lease in ledger.leases:
         if lease.claimant == claimant:
             continue
         for name in lease.tokens:
-            if name == token.name or parents.get(name) not in mine:
-                continue
-            if blocks_token(lease, name):
+            if parents.get(name) == token.name and blocks_token(lease, name):
                 where = ", ".join(sorted(coverage.get(name, ()))) or name
                 found.append(f"{where} (token {name}) is leased by {lease.claimant} ({lease.mode})")
+        for record in lease.unrestored():
+            for name in record.shared_tokens:
+                if parents.get(name) == token.name and record.holder != claimant:
+                    found.append(
+                        f"{record.holder} gets its lease on {name} back once "
+                        f"{lease.claimant} has let go of it"
+                    )
     return found
 
 
@@ -77,12 +71,12 @@ def refuse_by_relation(
 ) -> None:
     """Raise the `ClaimRefused` the PF↔VF rules give this claim, if any.
 
-    `parents` maps each token on a VF to its PF's address; `vf_users` are the
+    `parents` maps each token on a VF to its PF's token; `vf_users` are the
     processes that have a node of one of the claimed tokens' VFs open (their
     `token` is the VF's address).  `in_place` is an exclusive claim that leaves
     the GPU on its driver (it may keep its VFs, never while one is in use)."""
     for token in tokens:
-        _refuse_vf_claim(ledger, claimant, token, coverage)
+        _refuse_vf_claim(ledger, claimant, token, parents.get(token.name, ""))
     if mode is not Mode.EXCLUSIVE:
         return
     for token in tokens:
@@ -107,18 +101,12 @@ def refuse_by_relation(
             )
 
 
-def _refuse_vf_claim(
-    ledger: LedgerState,
-    claimant: Claimant,
-    token: TokenSpec,
-    coverage: Mapping[str, Collection[str]],
-) -> None:
-    """A claim on a VF: refused while the VF does not exist, and while its PF is
-    poisoned, held exclusively or having its VF count changed."""
-    relation = pf_tokens(token, coverage)
-    if relation is None:
+def _refuse_vf_claim(ledger: LedgerState, claimant: Claimant, token: TokenSpec, owner: str) -> None:
+    """A claim on a VF: refused while the VF does not exist, and while its PF's token
+    (`owner`, "" when the PF is no token) is poisoned or held exclusively."""
+    pf = token.physical_function
+    if pf is None:
         return
-    pf, owner = relation
     grow = (
         f"raise the VF count of {owner}: {cli_command('vfs', operands=[owner, 'N'])}"
         if owner

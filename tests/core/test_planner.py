@@ -462,7 +462,7 @@ def test_every_state_pair_obeys_the_rules(existing, holders, drivers, home, mode
 PF = "0000:01:00.0"
 VF0 = "0000:01:00.1"
 FAMILY_COVERAGE = {"pf": (PF,), "vf0": (VF0,)}
-PARENTS = {"vf0": PF}
+PARENTS = {"vf0": "pf"}
 
 
 def pf_token(vfs: tuple[str, ...] = (VF0,)) -> TokenSpec:
@@ -562,6 +562,17 @@ VF_LEASES = {
             "vf0", StepState.DONE
         ),
     ),
+    # The VF went home, and the release is about to give container:vf (which it had
+    # preempted) its shared lease on the VF back.
+    "gone-home-giving-back": (
+        lease(
+            "libvirt:vm",
+            Mode.EXCLUSIVE,
+            "vf0",
+            state=LeaseState.RELEASING,
+            stopped=[StoppedHolder("container:vf", StepState.DONE, ("vf0",), tokens=("vf0",))],
+        ).with_switch("vf0", StepState.DONE),
+    ),
 }
 VF_STATES = ("present", "open", "absent")
 FAMILY_CLAIMS = [(name, mode) for name in ("pf", "vf0") for mode in Mode]
@@ -601,8 +612,11 @@ def test_every_pf_and_vf_state_obeys_the_relation(pf_lease, vf_lease, vf_state, 
             reasons.add("poisoned")
         if any(item.mode is Mode.EXCLUSIVE for item in pf_blocking):
             reasons.add("held exclusively")
+        giving_back = [
+            r for item in state.leases for r in item.unrestored() if "vf0" in r.shared_tokens
+        ]
         if mode is Mode.EXCLUSIVE:
-            if vf_blocking or users:
+            if vf_blocking or users or giving_back:
                 reasons.add("its VFs are in use")
             if present:
                 reasons.add("VFs exist")
