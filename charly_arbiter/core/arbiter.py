@@ -20,7 +20,7 @@ from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import Events, drivers_label
 from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.liveness import claimant_liveness, stranded_claimants
+from charly_arbiter.core.liveness import claimant_liveness, claimant_runs, stranded_claimants
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
@@ -77,6 +77,12 @@ class TokenStatus:
     users: tuple[Holder, ...] = ()
     unaccounted: tuple[str, ...] = ()  # its functions on vfio-pci that nothing accounts for
     bound_by_admin: bool = False  # its home is vfio-pci (`adopt --admin`)
+    # SR-IOV: a physical function's VFs now (and how many it can have), a virtual
+    # function's PF (and whether the VF exists now).
+    virtual_functions: tuple[str, ...] = ()
+    total_vfs: int | None = None
+    physical_function: str | None = None
+    absent: bool = False
 
 
 @dataclass(frozen=True)
@@ -184,7 +190,8 @@ class Arbiter:
         DRM node): an exclusive claim on their physical function names them."""
         if mode is not Mode.EXCLUSIVE:
             return []
-        return list(self.host.device_users(vf_specs(self.host, tokens)))
+        vfs = [vf for token in tokens for vf in token.virtual_functions]
+        return list(self.host.device_users(vf_specs(self.host, vfs)))
 
     # -- acquiring ---------------------------------------------------------------
 
@@ -293,8 +300,10 @@ class Arbiter:
             if lease is not None:
                 # `created` restarts here: claim_grace counts from the moment the
                 # claimant may start, not from the intent (stopping holders takes time).
+                # The arbiter's own operation keeps its writer: it is its claimant.
+                owner = self.owner if lease.is_operation else None
                 txn.state = txn.state.with_lease(
-                    replace(lease, state=LeaseState.ACTIVE, created=now()).owned_by(None)
+                    replace(lease, state=LeaseState.ACTIVE, created=now()).owned_by(owner)
                 )
         self.events.emit("active", claimant=claimant, token=",".join(plan.tokens), mode=str(mode))
         crashpoint("acquire.active")
@@ -499,6 +508,12 @@ class Arbiter:
                     users=using,
                     unaccounted=lost,
                     bound_by_admin=bool(home) and all(d == VFIO for d in home.values()),
+                    virtual_functions=spec.virtual_functions,
+                    total_vfs=next(
+                        (f.sriov.total_vfs for f in spec.functions if f.sriov is not None), None
+                    ),
+                    physical_function=spec.physical_function,
+                    absent=spec.absent,
                 )
             )
         behind = reading.state is not None and recorded > state.generation
@@ -607,7 +622,9 @@ def _runs_with_active_lease(
 ) -> bool:
     """Whether `claimant` holds an active lease of this boot and still runs."""
     lease = state.lease_of(claimant)
-    return lease is not None and may_run_on_it(lease, boot_id) and arbiter.host.is_running(claimant)
+    return (
+        lease is not None and may_run_on_it(lease, boot_id) and claimant_runs(arbiter.host, lease)
+    )
 
 
 def _refuse_if_holders_came_back(

@@ -95,8 +95,31 @@ def _persistence_problem(name: str) -> str | None:
     return None
 
 
+# The arbiter's own operations on a GPU, each a claimant of kind `arbiter` named
+# `OPERATION/TOKEN`: changing a physical function's VF count (`vfs`), changing a GPU's
+# MIG mode or layout (`mig`).  Their lease lives as long as the process that carries
+# the operation out (its writer, by pid and start time), and one GPU has at most one
+# of each at a time (a second finds the first's lease).
+ARBITER_OPERATIONS = ("vfs", "mig")
+_TOKEN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _arbiter_problem(name: str) -> str | None:
+    operation, slash, token = name.partition("/")
+    if not slash or operation not in ARBITER_OPERATIONS or _TOKEN_NAME.fullmatch(token) is None:
+        operations = ", ".join(ARBITER_OPERATIONS)
+        return f"the arbiter's own claimants are OPERATION/TOKEN, OPERATION one of {operations}"
+    return None
+
+
+def operation_claimant(operation: str, token: str) -> Claimant:
+    """The claimant of the arbiter's own `operation` on `token` (`arbiter:vfs/gpu0`)."""
+    return Claimant.of("arbiter", f"{operation}/{token}")
+
+
 # Every kind of claimant or holder, and the rules of what it names (nvidia-persistence
-# is a holder the host finds by itself, never a claimant a person names).
+# is a holder the host finds by itself, never a claimant a person names; arbiter is
+# the arbiter's own operations).
 KINDS = {
     "libvirt": _libvirt_problem,
     "systemd": _systemd_problem,
@@ -105,6 +128,7 @@ KINDS = {
     "nvidia-persistence": _persistence_problem,
     "proxmox": _vmid_problem,
     "lxc": _vmid_problem,
+    "arbiter": _arbiter_problem,
 }
 CLAIMANT_KINDS = ("libvirt", "systemd", "container", "process", "proxmox", "lxc")
 
@@ -271,8 +295,15 @@ class Lease:
         object.__setattr__(self, "claimant", Claimant.parse(self.claimant))
 
     @property
+    def is_operation(self) -> bool:
+        """A lease of the arbiter's own operation (`arbiter:vfs/gpu0`): it lives as long
+        as its writer, whatever its state."""
+        return self.claimant.kind == "arbiter"
+
+    @property
     def owner(self) -> ProcessRef | None:
-        """The process carrying out an acquiring or releasing lease (None when active)."""
+        """The process carrying out an acquiring or releasing lease (None when active,
+        but for the arbiter's own operations, which keep theirs)."""
         return ProcessRef(self.owner_pid, self.owner_start) if self.owner_pid > 0 else None
 
     def owned_by(self, owner: ProcessRef | None) -> Lease:

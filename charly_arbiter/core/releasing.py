@@ -20,6 +20,7 @@ from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import Events, drivers_label
 from charly_arbiter.core.host import Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.liveness import claimant_runs
 from charly_arbiter.core.model import Claimant, LedgerState, ProcessRef, now
 from charly_arbiter.core.release_planner import (
     ComebackWay,
@@ -79,7 +80,7 @@ class Releaser:
         return (
             lease is not None
             and rules.may_run_on_it(lease, self.host.boot_id())
-            and self.host.is_running(claimant)
+            and claimant_runs(self.host, lease)
         )
 
     def _live_writers(self, state: LedgerState, claimant: Claimant) -> frozenset[ProcessRef]:
