@@ -117,3 +117,34 @@ def default_host(
         holder("systemd", "ollama.service", ["gpu0"], preemptible=True, extra=ollama),
         holder("systemd", "display-manager.service", ["gpu1"], preemptible=dm_preemptible),
     )
+
+
+PF = "0000:01:00.0"  # an SR-IOV physical function's address in the tests' hosts
+VF0, VF1 = "0000:01:00.1", "0000:01:00.2"  # where its first two VFs go (offset 1, stride 1)
+
+
+def sriov_pf(address: str = PF, *, total: int = 2, group: int = 4, extra: str = "") -> str:
+    """A GPU with SR-IOV (Intel's xe, whose VFs come up on xe too): its VFs exist only
+    after `sriov_numvfs` is written (`SimHost.write_sysfs`), each in a group of its own."""
+    return device(
+        address,
+        vendor="8086",
+        model="56c0",
+        pci_class="030000",
+        driver="xe",
+        group=group,
+        extra=f'sriov_totalvfs = {total}\nsriov_vf_device = "56c1"\nsriov_vf_driver = "xe"\n'
+        + extra,
+    )
+
+
+def sriov_tokens(vfs: int | None = 2, *, vf_tokens: Sequence[str] = ("vf0",)) -> str:
+    """arbiter.toml's tokens for `sriov_pf`: the PF (with its configured VF count) and
+    VF tokens by address (vf0 at VF0, vf1 at VF1)."""
+    places = {"vf0": VF0, "vf1": VF1}
+    lines = ["", "[tokens.pf]", f'address = "{PF}"']
+    if vfs is not None:
+        lines.append(f"vfs = {vfs}")
+    for name in vf_tokens:
+        lines += ["", f"[tokens.{name}]", f'address = "{places[name]}"']
+    return "\n".join(lines) + "\n"

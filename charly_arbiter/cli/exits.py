@@ -197,6 +197,25 @@ TABLE: dict[str, tuple[Exit, ...]] = {
             "the ledger went backwards against the history (`recover` first)",
         ),
     ),
+    "vfs": (
+        Exit(EXIT_OK, "the count is set (or was already); with --configured, every configured one"),
+        Exit(
+            EXIT_ERROR,
+            "the kernel refused a write of sriov_numvfs, or one hung (the physical function is "
+            f"poisoned, with what to do); with --configured, one of them failed; {_STATE}",
+        ),
+        Exit(
+            EXIT_USAGE,
+            f"neither TOKEN COUNT nor --configured; {_TOKENS}; a token that is no SR-IOV "
+            "physical function, or more VFs than it can have",
+        ),
+        Exit(
+            EXIT_REFUSED,
+            "a virtual function is leased or open, the physical function is held exclusively, "
+            "poisoned or off its driver, another change of its count runs, or the ledger "
+            "went backwards",
+        ),
+    ),
     "send-home": (
         Exit(
             EXIT_OK, "the token went home, and what the history says was stopped for it came back"

@@ -93,6 +93,9 @@ class TokenConfig:
     # CDI device names (`nvidia.com/gpu=0`) that stand for this token in a
     # container's annotations (the OCI hook claims the token for them).
     cdi_devices: tuple[str, ...] = ()
+    # An SR-IOV physical function's VF count, set at boot by the reconcile unit
+    # (`charly-arbiter vfs --configured`): the kernel forgets it on every reboot.
+    vfs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -357,7 +360,7 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
     if not name or not all(c.isalnum() or c in "-_." for c in name):
         raise ConfigError(reader.path, key, "a token name may only use letters, digits, - _ .")
     reader.no_unknown_keys(
-        spec, {"address", "home_driver", "cdi", "cdi_devices", "console"}, f"{key}."
+        spec, {"address", "home_driver", "cdi", "cdi_devices", "console", "vfs"}, f"{key}."
     )
     address = reader.get(spec, "address", str, None, f"{key}.address")
     if address is None:
@@ -381,6 +384,9 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
                 f"{key}.cdi_devices",
                 f"{device!r} is not a CDI device name (vendor.com/class=name)",
             )
+    vfs = reader.get(spec, "vfs", int, None, f"{key}.vfs")
+    if vfs is not None and not 0 <= vfs < 2**16:
+        raise ConfigError(reader.path, f"{key}.vfs", f"{vfs} is not a VF count (0 to 65535)")
     return TokenConfig(
         name=name,
         address=address,
@@ -390,6 +396,7 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
         if "console" in spec
         else None,
         cdi_devices=tuple(cdi_devices),
+        vfs=vfs,
     )
 
 

@@ -82,6 +82,12 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
         ),
         "active": lambda: f"{claimant} holds {token} ({get('mode', '?')})",
         "poisoned": lambda: f"{token} is poisoned ({claimant}'s switch failed): {why}",
+        "vf-count": lambda: (
+            f"{token}: changing its VF count from {get('before', '?')} to {get('count', '?')}"
+        ),
+        "vf-counted": lambda: (
+            f"{token} has {get('count', '?')} VFs now (took {get('seconds', '?')} s)"
+        ),
         "release": lambda: f"{claimant} releases its lease",
         "failed": lambda: f"{claimant}'s claim failed and is undone: {why}",
         "restore": lambda: f"restoring {claimant}",

@@ -240,6 +240,15 @@ class Host(Protocol):
         """
         ...
 
+    def write_vf_count(self, address: str, count: int) -> None:
+        """Write `count` to the physical function's `sriov_numvfs`, as the kernel takes it.
+
+        Raises `VfCountFailed` with the kernel's errno, or `VfCountHung` when the write
+        did not return within the switch timeout: it stays stuck in the kernel (a VF's
+        VFIO device held open), in a helper process, and nothing more is written to the
+        device from this process."""
+        ...
+
     def holders(self, tokens: Sequence[TokenSpec]) -> Sequence[Holder]:
         """Every known holder of any of these tokens, running or not."""
         ...

@@ -207,15 +207,14 @@ def _addresses(spec: TokenSpec) -> frozenset[str]:
     return frozenset(f.address for f in spec.functions) | {spec.address}
 
 
-def vf_specs(host: Host, tokens: Iterable[TokenSpec]) -> list[TokenSpec]:
-    """Each virtual function the tokens have now, as a token of its own named by its
-    address (what a scan of device holders takes); one that went meanwhile is left out."""
+def vf_specs(host: Host, addresses: Iterable[str]) -> list[TokenSpec]:
+    """Each virtual function at these addresses, as a token of its own named by its
+    address (what a scan of device holders takes); one that does not exist is left out."""
     found = []
-    for token in tokens:
-        for vf in token.virtual_functions:
-            try:
-                functions = tuple(host.token_functions(vf, vf))
-            except HostError:
-                continue
-            found.append(TokenSpec(vf, vf, functions, cdi=False))
+    for vf in addresses:
+        try:
+            functions = tuple(host.token_functions(vf, vf))
+        except HostError:
+            continue
+        found.append(TokenSpec(vf, vf, functions, cdi=False))
     return found

@@ -82,6 +82,9 @@ class HybridHost:
     def switch(self, token: TokenSpec, targets: Mapping[str, str]) -> None:
         self.sim.switch(token, targets)
 
+    def write_vf_count(self, address: str, count: int) -> None:
+        self.sim.write_vf_count(address, count)
+
     def holders(self, tokens: Sequence[TokenSpec]) -> Sequence[Holder]:
         """The simulated holders, the real ones, and the real processes holding the
         simulated nodes that run in none of the real holders (a container's are its)."""

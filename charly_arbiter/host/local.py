@@ -26,9 +26,16 @@ from charly_arbiter.core.host import (
     common_blocker,
 )
 from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
-from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed, cli_command
+from charly_arbiter.errors import (
+    CommandFailed,
+    HostError,
+    SwitchFailed,
+    VfCountFailed,
+    VfCountHung,
+    cli_command,
+)
 from charly_arbiter.host import run
-from charly_arbiter.host.blocking import Writer
+from charly_arbiter.host.blocking import TimedOut, Writer, bounded, errno_text
 from charly_arbiter.host.console import Console
 from charly_arbiter.host.devnodes import device_functions
 from charly_arbiter.host.draining import Drains, token_specs
@@ -203,6 +210,23 @@ class LocalHost:
                     "arbiter take the console off it and give it back afterwards",
                 )
         return blocker
+
+    def write_vf_count(self, address: str, count: int) -> None:
+        """By the write helper, under the watchdog, as unbind is: a teardown whose VF's
+        VFIO device is held blocks in the kernel (vfio_unregister_group_dev) until the
+        holder lets go, and nothing can end the writer meanwhile."""
+        if address in self.switcher.hung:
+            raise VfCountFailed(address, count, "an earlier write to this device never returned")
+        path = self.sysfs.device(address) / "sriov_numvfs"
+        writer = self.switcher.blocking_writer
+        timeout = self.config.timeouts.driver_switch
+        try:
+            bounded(lambda: writer(path, str(count)), timeout, f"sysfs {address} sriov_numvfs")
+        except TimedOut:
+            self.switcher.hung[address] = "sriov_numvfs"
+            raise VfCountHung(address, count, timeout) from None
+        except OSError as error:
+            raise VfCountFailed(address, count, errno_text(error)) from None
 
     def _vfio_available(self) -> bool:
         """Loaded, built in, or listed among this kernel's modules (modprobe loads it)."""

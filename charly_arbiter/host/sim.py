@@ -46,8 +46,16 @@ from charly_arbiter.core.host import (
 )
 from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
 from charly_arbiter.core.pci import vf_address
-from charly_arbiter.errors import HolderError, HostError, SwitchFailed, SwitchHung, cli_command
-from charly_arbiter.host.blocking import TimedOut, bounded
+from charly_arbiter.errors import (
+    HolderError,
+    HostError,
+    SwitchFailed,
+    SwitchHung,
+    VfCountFailed,
+    VfCountHung,
+    cli_command,
+)
+from charly_arbiter.host.blocking import TimedOut, bounded, errno_text
 from charly_arbiter.host.procscan import (
     DeviceNumber,
     char_device_number,
@@ -253,6 +261,13 @@ class SimHost:
                     new = ""  # a VF is probed only with its PF's autoprobe on
                 state["drivers"][address] = new
                 state["log"].append(f"switch {address} {new or '(none)'}")
+                if address in vfs:
+                    node = self._vf_node(vfs[address]["iommu_group"])
+                    if new == VFIO:
+                        node.parent.mkdir(parents=True, exist_ok=True)
+                        node.touch()
+                    else:
+                        node.unlink(missing_ok=True)
         for address, driver in sorted(targets.items()):
             if driver != VFIO and devices.get(address, {}).get("dead_at_home"):
                 # Bound, but it does not answer (a reset it did not survive).
@@ -280,7 +295,19 @@ class SimHost:
             for function in token.functions:
                 for node in nodes.get(function.address, []):
                     found[str(self._node_path(node))] = token.name
+                if function.physfn is not None and function.driver == VFIO:
+                    found[str(self._vf_node(function.iommu_group))] = token.name
         return found
+
+    def _vf_node(self, group: object) -> Path:
+        """A VF on vfio-pci has DIR/dev/vfio/GROUP, as the kernel makes /dev/vfio/N: a
+        real process that holds it open holds the VF (the way QEMU does)."""
+        return self.dev_root / "vfio" / str(group)
+
+    def _has_nodes(self) -> bool:
+        return any(device.get("nodes") for device in self._devices()) or any(
+            (self.dev_root / "vfio").glob("*")
+        )
 
     def _node_path(self, node: Any) -> Path:
         relative = Path(str(node))
@@ -302,14 +329,14 @@ class SimHost:
         self, tokens: Sequence[TokenSpec], owner_of: OwnerOf | None = None
     ) -> list[Holder]:
         """Real processes holding the tokens' nodes (none when host.toml lists no nodes)."""
-        if not any(device.get("nodes") for device in self._devices()):
+        if not self._has_nodes():
             return []
         return self.processes().holders(tokens, owner_of)
 
     def device_users(
         self, tokens: Sequence[TokenSpec], owner_of: OwnerOf | None = None
     ) -> list[DeviceUser]:
-        if not any(device.get("nodes") for device in self._devices()):
+        if not self._has_nodes():
             return []
         return self.processes().users(tokens, owner_of)
 
@@ -452,6 +479,19 @@ class SimHost:
 
     # -- SR-IOV: the kernel's side of sriov_numvfs -------------------------------------
 
+    def write_vf_count(self, address: str, count: int) -> None:
+        """`write_sysfs` of `sriov_numvfs` under the watchdog, as the arbiter writes it."""
+        try:
+            bounded(
+                lambda: self.write_sysfs(address, "sriov_numvfs", str(count)),
+                self.switch_timeout,
+                f"sysfs {address} sriov_numvfs",
+            )
+        except TimedOut:
+            raise VfCountHung(address, count, self.switch_timeout) from None
+        except OSError as error:
+            raise VfCountFailed(address, count, errno_text(error)) from None
+
     def write_sysfs(self, address: str, attribute: str, text: str) -> None:
         """A write of `text` to bus/pci/devices/ADDRESS/ATTRIBUTE, as the kernel takes it
         (raises OSError with its errno); only SR-IOV's writable attributes are modelled.
@@ -538,6 +578,7 @@ class SimHost:
             while self._hangs(pf["address"]):
                 time.sleep(HANG_POLL)
         with self._state() as state:
+            self._vf_node(state["vfs"][vf]["iommu_group"]).unlink(missing_ok=True)
             del state["vfs"][vf]
             del state["drivers"][vf]
 
@@ -564,6 +605,8 @@ class SimHost:
                 fresh["running"].setdefault(ref, False)
             fresh["cdi_generations"] = state["cdi_generations"]
             fresh["log"] = [*state["log"], "reboot"]
+            for vf in state.get("vfs", {}).values():  # VFs do not survive a reboot
+                self._vf_node(vf["iommu_group"]).unlink(missing_ok=True)
             state.clear()
             state.update(fresh)
 

@@ -19,13 +19,14 @@ from pathlib import Path
 import click
 import pytest
 from clitools import READ_ONLY, ledger_locked, namespaced
-from simhosts import default_host
+from simhosts import PF, VF1, default_host, sriov_pf, sriov_tokens
 
 from charly_arbiter.cli import COMMANDS
 from charly_arbiter.cli.app import build
 from charly_arbiter.cli.exits import EVERY_COMMAND, HOOKS, TABLE, in_document, rows
+from charly_arbiter.core.host import TokenSpec
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import Lease, LeaseState, Mode, Poison
+from charly_arbiter.core.model import VFIO, Lease, LeaseState, Mode, Poison
 from charly_arbiter.host.procscan import process_ref
 from charly_arbiter.ops.history import HistoryLog
 from tests.conftest import DEFAULT_CONFIG, REPO, SimEnv
@@ -162,6 +163,14 @@ CASES = [
     C("send-home", 1, ("send-home", "gpu0"), "unaccounted_failing", "did not go all the way"),
     C("send-home", 2, ("send-home", "gpu9"), says="gpu0, gpu1"),
     C("send-home", 3, ("send-home", "gpu1"), says="not on vfio-pci"),
+    C("vfs", 0, ("vfs", "pf", "1"), "sriov", "pf: 2 -> 1 VFs"),
+    C("vfs", 0, ("vfs", "--configured"), "sriov", "pf has 2 VFs already"),
+    C("vfs", 1, ("vfs", "pf", "0"), "sriov_hung", "pf is poisoned now"),
+    C("vfs", 2, ("vfs",), says="TOKEN COUNT, or --configured"),
+    C("vfs", 2, ("vfs", "gpu0", "1"), says="not an SR-IOV physical function"),
+    C("vfs", 2, ("vfs", "pf", "3"), "sriov", "at most 2 VFs"),
+    C("vfs", 2, ("vfs", "gpu9", "1"), says="gpu0, gpu1"),
+    C("vfs", 3, ("vfs", "pf", "0"), "sriov_leased", "leased by libvirt:vm"),
     C("recover", 0, ("recover",), says="nothing to recover"),
     C("recover", 0, ("recover",), "corrupt", "nothing was written"),
     C("recover", 1, ("recover",), "world_writable", "writable"),
@@ -365,6 +374,27 @@ def _bundle(sim: SimEnv) -> None:
     (bundle / "config.json").write_text('{"ociVersion": "1.0.2"}')
 
 
+def _sriov(sim: SimEnv, fault: str = "") -> None:
+    """An SR-IOV physical function (a token, configured for 2 VFs) with its 2 VFs, the
+    first a token of its own."""
+    sim.set_host(default_host() + sriov_pf(extra=fault))
+    sim.config_path.write_text(sim.config_path.read_text() + sriov_tokens(2))
+    sim.host().write_sysfs(PF, "sriov_numvfs", "2")
+
+
+def _sriov_leased(sim: SimEnv) -> None:
+    _sriov(sim)
+    sim.arbiter().acquire("libvirt:vm", Mode.EXCLUSIVE, ["vf0"])
+
+
+def _sriov_hung(sim: SimEnv) -> None:
+    """The second VF on vfio-pci, bound by hand (no token, no lease), and a teardown
+    that blocks on it as the kernel's does while a VM holds its VFIO device."""
+    _sriov(sim, "hang_sriov_teardown = true\n")
+    host = sim.host()
+    host.switch(TokenSpec(VF1, VF1, tuple(host.token_functions(VF1, VF1))), {VF1: VFIO})
+
+
 SCENARIOS: dict[str, Callable[[SimEnv], Iterator[None] | None]] = {
     "fresh": lambda sim: None,
     "poisoned": _poison,
@@ -389,6 +419,9 @@ SCENARIOS: dict[str, Callable[[SimEnv], Iterator[None] | None]] = {
     "attached_unsafe": _attached_unsafe,
     "gpu7_in_history": _gpu7_in_history,
     "bundle": _bundle,
+    "sriov": _sriov,
+    "sriov_leased": _sriov_leased,
+    "sriov_hung": _sriov_hung,
 }
 
 
