@@ -85,6 +85,7 @@ CASES = [
     C("acquire", 2, ("acquire", "--shared", "process:12a", "gpu0"), says="process:PID"),
     C("acquire", 2, ("acquire", "--shared", "libvirt:a/b", "gpu0"), says="'/'"),
     C("acquire", 2, ("acquire", "--shared", "vm:x", "gpu0"), says="the kind is one of"),
+    C("acquire", 2, ("acquire", "--shared", "arbiter:vfs/gpu0", "gpu0"), says="kind is one of"),
     C("acquire", 3, ("acquire", "--exclusive", "libvirt:other", "gpu0"), "held", "exclusively"),
     C("acquire", 3, ("acquire", "--shared", "container:c", "gpu0"), "poisoned", "poisoned"),
     C("acquire", 3, ("acquire", "--exclusive", "libvirt:w", "gpu1"), says="not preemptible"),
