@@ -77,9 +77,14 @@ HANG_POLL = 0.05  # how often a blocked teardown looks whether its fault was lif
 
 
 class SimHost:
-    def __init__(self, directory: Path, switch_timeout: float = 15.0) -> None:
+    def __init__(
+        self, directory: Path, switch_timeout: float = 15.0, count_timeout: float | None = None
+    ) -> None:
         self.directory = directory
         self.switch_timeout = switch_timeout
+        # The watchdog of a write of sriov_numvfs (the switch timeout, unless a test that
+        # makes switches hang in milliseconds wants the count's writes left alone).
+        self.count_timeout = switch_timeout if count_timeout is None else count_timeout
         self.description = f"sim:{directory}"
         self.dev_root = directory / "dev"
         self._parsed: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
@@ -484,11 +489,11 @@ class SimHost:
         try:
             bounded(
                 lambda: self.write_sysfs(address, "sriov_numvfs", str(count)),
-                self.switch_timeout,
+                self.count_timeout,
                 f"sysfs {address} sriov_numvfs",
             )
         except TimedOut:
-            raise VfCountHung(address, count, self.switch_timeout) from None
+            raise VfCountHung(address, count, self.count_timeout) from None
         except OSError as error:
             raise VfCountFailed(address, count, errno_text(error)) from None
 
