@@ -128,8 +128,16 @@ class LocalHost:
 
     def _with_default_driver(self, function: PciFunction) -> PciFunction:
         """A function on vfio-pci or on no driver learns where the kernel would send it
-        home (the others are home already, or tell by their driver)."""
+        home (the others are home already, or tell by their driver).  A virtual function
+        whose PF has `sriov_drivers_autoprobe` off has none: the kernel binds no driver
+        to it by itself (seen on Linux 6.1), and an operator who turned it off keeps the
+        VFs for VMs, so its home is no driver, not the PF's driver."""
         if function.driver not in (None, VFIO):
+            return function
+        if (
+            function.physfn is not None
+            and self.sysfs.attribute(function.physfn, "sriov_drivers_autoprobe") == "0"
+        ):
             return function
         matching = self.modules.matching(self.sysfs.modalias(function.address))
         modules = [module for module in matching if self.modules.has(module)]
