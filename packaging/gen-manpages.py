@@ -111,6 +111,13 @@ FILES_OF: dict[str, list[tuple[str, str]]] = {
     "detach": [CONFIG, LEDGER_R, UNITS, ("/etc/charly-arbiter/attached.d/UNIT.toml", "w: removed")],
     "adopt": [CONFIG, LEDGER_W, HISTORY_W, SYSFS_R],
     "send-home": CLAIMING,
+    "vfs": [
+        CONFIG,
+        LEDGER_W,
+        HISTORY_W,
+        ("/sys/bus/pci/devices/ADDRESS/sriov_numvfs", "w: the physical function's VF count"),
+        PROC,
+    ],
 }
 # Examples: (a command line, what it does).  Each one parses with the real command tree
 # (tests/package/test_manpages_install.py).
@@ -185,6 +192,11 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     ],
     "send-home": [
         ("charly-arbiter send-home gpu0", "back to its driver, with what was stopped for it"),
+    ],
+    "vfs": [
+        ("charly-arbiter vfs gpu0 4", "four virtual functions (through 0 if it has some)"),
+        ("charly-arbiter vfs gpu0 0", "none: every VF goes (refused while one is in use)"),
+        ("charly-arbiter vfs --configured", "every count arbiter.toml sets (the boot's step)"),
     ],
 }
 

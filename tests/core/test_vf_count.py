@@ -271,16 +271,16 @@ def test_the_reconcile_unit_restores_then_sets_the_configured_counts_at_boot(
     sriov: SimEnv,
 ) -> None:
     """A reboot takes the VFs (the kernel does not keep the count) and strands the lease
-    of the VM that had vf0: the unit's own commands, in its order, end the lease and
-    then make the configured VFs again."""
+    of the VM that had vf0: the unit's own commands, in its order (ExecStart, then
+    ExecStartPost), end the lease and then make the configured VFs again."""
     sriov.cli("vfs", "pf", "2", check=True)
     sriov.cli("acquire", "--exclusive", "libvirt:vm", "vf0", check=True)
     sriov.cli("sim", "reboot", check=True)
     assert vfs_of(sriov) == []
     commands = [
-        shlex.split(line.removeprefix("ExecStart="))
+        shlex.split(line.partition("=")[2])
         for line in UNIT.read_text().splitlines()
-        if line.startswith("ExecStart=")
+        if line.startswith(("ExecStart=", "ExecStartPost="))
     ]
     assert [command[1:] for command in commands] == [
         ["restore", "--stranded"],
