@@ -81,7 +81,11 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
             f"(took {get('seconds', '?')} s)"
         ),
         "active": lambda: f"{claimant} holds {token} ({get('mode', '?')})",
-        "poisoned": lambda: f"{token} is poisoned ({claimant}'s switch failed): {why}",
+        "poisoned": lambda: (
+            f"{token} is poisoned ({claimant}'s "
+            + ("operation" if claimant.startswith("arbiter:") else "switch")
+            + f" failed): {why}"
+        ),
         "vf-count": lambda: (
             f"{token}: changing its VF count from {get('before', '?')} to {get('count', '?')}"
         ),

@@ -21,6 +21,10 @@ Like scenario.py, nothing here asserts: each step records facts (exit codes,
 messages, drivers, /dev/vfio, the ledger, the invariants of tests/invariants.py,
 the logs) into /run/results/chain.json and goes on.
 
+Before anything else, on the SR-IOV NVMe controller as QEMU made it, it runs
+sriov_scenario.py's steps (results.json, judged by test_sriov_kernel.py): one boot
+for both (conftest.py).
+
 Usage: chain.py KERNEL_ROOT STAGE
 """
 
@@ -51,6 +55,7 @@ from scenario import (  # noqa: E402
     VFIO_SET_IOMMU,
     VFIO_TYPE1_IOMMU,
 )
+from sriov_scenario import Guest as SriovGuest  # noqa: E402
 
 from charly_arbiter.core.ledger import Ledger  # noqa: E402
 
@@ -840,7 +845,10 @@ def scenario_sriov(out: dict[str, Any]) -> None:
         killed = time.monotonic()
         holder.kill()
         holder.wait()
-    out["vfs_gone"] = wait_for(lambda: not sriov_state()["virtfn"], 60)
+    # (their links went before the write blocked: the devices are what is left)
+    out["vfs_gone"] = wait_for(
+        lambda: not any((SYS / "devices" / vf).exists() for vf in (VF0, VF1)), 60
+    )
     out["vfs_gone_after_kill"] = round(time.monotonic() - killed, 3)
     out["after_kill"] = sriov_facts()
     out["after_kill_dmesg"] = dmesg()
@@ -891,6 +899,9 @@ def main() -> None:
     out["guest_uptime_at_start"] = float(Path("/proc/uptime").read_text().split()[0])
     example = (stage / "etc" / "charly-arbiter" / "arbiter.toml").read_text()
     steps = [
+        # First, on the PF as QEMU made it: the kernel's SR-IOV facts with the package's
+        # own code (sriov_scenario.py, judged by test_sriov_kernel.py from results.json).
+        ("sriov_kernel", lambda record: SriovGuest(str(kernel_root)).run()),
         ("setup", lambda record: setup(kernel_root, stage, record)),
         ("managed_yes", scenario_managed_yes),
         ("managed_no", scenario_managed_no),

@@ -16,22 +16,13 @@ the arbiter's hook log, an observer hook's log and libvirtd's own debug log.
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from guest import (
-    SRIOV_NVME,
-    Kernel,
-    QemuUnavailable,
-    boot,
-    check_qemu,
-    prepare_kernel,
-    repo_mount_script,
-)
-from installed import install_package
+from chainboot import ChainBoot
+from guest import recorded as guest_recorded
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel]
 
@@ -44,47 +35,10 @@ GROUP_NODE = "2"  # /dev/vfio/2: the pair's IOMMU group in this guest
 ARBITER_HOOK = "/etc/libvirt/hooks/qemu.d/charly-arbiter"
 
 
-def guest_script(kernel: Kernel, stage: str) -> str:
-    return (
-        "export PATH=/usr/sbin:/usr/bin:/sbin:/bin PYTHONDONTWRITEBYTECODE=1 HOME=/tmp\n"
-        + repo_mount_script(REPO)
-        + f"/usr/bin/python3 {REPO}/tests/kernel/chain.py {kernel.root} {stage}\n"
-    )
-
-
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    try:
-        check_qemu()
-    except QemuUnavailable as why:
-        pytest.skip(f"QEMU CANNOT RUN HERE, the chain tests are SKIPPED: {why}")
-    needed = ("/usr/sbin/libvirtd", "/usr/sbin/virtlogd", "/usr/bin/virsh", "/usr/bin/make")
-    missing = [path for path in needed if not os.access(path, os.X_OK)]
-    if missing:
-        pytest.fail(f"missing {', '.join(missing)}: run scripts/setup (scripts/apt-packages.txt)")
-    kernel = prepare_kernel()
-    directory = tmp_path_factory.mktemp("chain")
-    install_package(directory / "stage", tmp_path_factory.mktemp("build"))
-    booted = boot(
-        kernel,
-        directory,
-        guest_script(kernel, "/run/results/stage"),
-        timeout=900,
-        repo=REPO,
-        devices=SRIOV_NVME,
-    )
-    results = directory / "chain.json"
-    console = (
-        (directory / "console.log").read_text() if (directory / "console.log").exists() else ""
-    )
-    assert results.exists(), (
-        f"the guest wrote no results (qemu exit {booted.returncode}):\n"
-        f"{booted.serial[-3000:]}\n{console[-3000:]}"
-    )
-    recorded: dict[str, Any] = json.loads(results.read_text())
-    recorded["boot_seconds"] = round(booted.seconds, 1)
-    recorded["console"] = console
-    recorded["serial"] = booted.serial
+def chain(chain_boot: ChainBoot) -> dict[str, Any]:
+    directory, booted = chain_boot.directory, chain_boot.booted
+    recorded = guest_recorded(directory, booted, "chain.json")
     recorded["hook_log"] = read(directory / "hook.log")
     print(
         f"chain: guest run {booted.seconds:.1f} s, chain {recorded.get('chain_seconds')} s; "
