@@ -7,7 +7,8 @@
      other lease holds that one exclusively meanwhile.
 (I2) A token's functions are on vfio-pci only while an exclusive lease covers it
      (in any state), it is poisoned, or its recorded home is vfio-pci (bound
-     there on purpose: `adopt --admin`).
+     there on purpose: `adopt --admin`).  An NVIDIA vGPU VF with a vGPU type is
+     given to a VM as one on vfio-pci is: the same holds for its type.
 (I3) Every holder the arbiter stopped is recorded in exactly one lease until it
      is started again.
 (I4) A mutating command on a corrupt or unsafe ledger changes nothing on the
@@ -48,6 +49,8 @@ class HostFacts:
     expected_running: frozenset[str] = field(default_factory=frozenset)
     # token on a virtual function -> the token of its physical function
     parents: Mapping[str, str] = field(default_factory=dict)
+    # address -> the vGPU type of an NVIDIA vGPU VF (0: none)
+    vgpu_types: Mapping[str, int] = field(default_factory=dict)
 
 
 def violations(state: LedgerState, host: HostFacts) -> list[str]:
@@ -87,7 +90,11 @@ def violations(state: LedgerState, host: HostFacts) -> list[str]:
             names = ", ".join(f"{claimant} ({token})" for claimant, token in sorted(held))
             found.append(f"I1: {address} is held exclusively beside another lease: {names}")
     for token, addresses in host.token_functions.items():
-        on_vfio = [address for address in addresses if host.drivers.get(address) == VFIO]
+        on_vfio = [
+            address
+            for address in addresses
+            if host.drivers.get(address) == VFIO or host.vgpu_types.get(address)
+        ]
         if not on_vfio or state.poison_of(token) is not None:
             continue
         if all(state.home_of(token).get(address) == VFIO for address in on_vfio):
@@ -162,11 +169,13 @@ def sim_facts(
     """HostFacts from a simulated host's `snapshot()`."""
     drivers = snapshot["drivers"]
     running = snapshot["running"]
-    assert isinstance(drivers, dict) and isinstance(running, dict)
+    vfs = snapshot.get("vfs", {})
+    assert isinstance(drivers, dict) and isinstance(running, dict) and isinstance(vfs, dict)
     return HostFacts(
         drivers={address: driver or None for address, driver in drivers.items()},
         token_functions=token_functions,
         running={ref: bool(value) for ref, value in running.items()},
         expected_running=frozenset(expected_running),
         parents=parents or {},
+        vgpu_types={address: int(vf.get("vgpu", 0)) for address, vf in vfs.items()},
     )

@@ -148,3 +148,21 @@ def sriov_tokens(vfs: int | None = 2, *, vf_tokens: Sequence[str] = ("vf0",)) ->
     for name in vf_tokens:
         lines += ["", f"[tokens.{name}]", f'address = "{places[name]}"']
     return "\n".join(lines) + "\n"
+
+
+VGPU_TYPES = '{ 557 = "NVIDIA L40S-1Q", 558 = "NVIDIA L40S-2Q", 560 = "NVIDIA L40S-4Q" }'
+
+
+def vgpu_pf(address: str = PF, *, total: int = 2, group: int = 4) -> str:
+    """An NVIDIA GPU whose VFs serve vGPU (vGPU 17 and later, no mdev): they come up
+    on nvidia, each with the types of NVIDIA's guide's layout (see core.host.Vgpu)."""
+    return device(
+        address,
+        vendor="10de",
+        model="26b9",
+        pci_class="030200",
+        driver="nvidia",
+        group=group,
+        extra=f'sriov_totalvfs = {total}\nsriov_vf_device = "26b9"\nsriov_vf_driver = "nvidia"\n'
+        f"vgpu_types = {VGPU_TYPES}\n",
+    )

@@ -55,6 +55,62 @@ class Sriov:
         )
 
 
+# A switch target for NVIDIA's vGPU on a virtual function: the VF stays on `nvidia`
+# and is given vGPU type ID (`nvidia/current_vgpu_type`), where another VF would go
+# to vfio-pci.
+VGPU = "vgpu:"
+
+
+def vgpu_target(type_id: int) -> str:
+    return f"{VGPU}{type_id}"
+
+
+def vgpu_type_of(target: str) -> int | None:
+    """The vGPU type a switch target asks for (None: a driver, not a vGPU type)."""
+    return int(target[len(VGPU) :]) if target.startswith(VGPU) else None
+
+
+@dataclass(frozen=True)
+class Vgpu:
+    """An NVIDIA vGPU virtual function's side, as NVIDIA's vGPU software 17 and later
+    lays it out on GPUs that have no mdev (Ada, Hopper and newer) under the VF's
+    sysfs directory, in `nvidia/` (NVIDIA Virtual GPU Software User Guide, "Creating
+    an NVIDIA vGPU on a Linux with KVM Hypervisor that Uses a Vendor-Specific VFIO
+    Framework"): `creatable_vgpu_types` lists the types the VF can be given *now*,
+    one `ID : name` a line (fewer once other VFs have types: a GPU runs one kind at a
+    time unless it is in mixed mode), and `current_vgpu_type` holds the type it has
+    (0: none); writing an ID there creates the vGPU, writing 0 removes it.  The VF
+    stays on `nvidia` all along: bound to vfio-pci it is refused (EINVAL)."""
+
+    creatable: tuple[tuple[int, str], ...] = ()
+    current: int = 0
+
+    def find(self, wanted: str) -> tuple[int, str] | None:
+        """The creatable type named `wanted`: its ID, or its name (any case)."""
+        for type_id, name in self.creatable:
+            if wanted.strip() == str(type_id) or wanted.strip().lower() == name.lower():
+                return type_id, name
+        return None
+
+    def listed(self) -> str:
+        return ", ".join(f"{name} ({type_id})" for type_id, name in self.creatable) or "none"
+
+
+def parse_vgpu_types(text: str) -> tuple[tuple[int, str], ...]:
+    """`creatable_vgpu_types` as NVIDIA's guide shows it (`ID : vGPU Name` under a
+    header line), and, leniently, `name ID` lines as other tools lay it out."""
+    found = []
+    for line in text.splitlines():
+        left, colon, right = line.partition(":")
+        if colon and left.strip().isdigit():
+            found.append((int(left.strip()), right.strip()))
+            continue
+        words = line.split()
+        if len(words) >= 2 and words[-1].isdigit():
+            found.append((int(words[-1]), " ".join(words[:-1])))
+    return tuple(found)
+
+
 def sriov_enabled_why(count: int) -> str:
     """Why vfio-pci did not take a physical function: its probe refuses one with
     virtual functions ("Cannot bind to PF with SR-IOV enabled", seen on Linux 6.1),
@@ -81,6 +137,7 @@ class PciFunction:
     # that can have virtual functions says how many and which (None: it cannot).
     physfn: str | None = None
     sriov: Sriov | None = None
+    vgpu: Vgpu | None = None  # an NVIDIA vGPU virtual function (see Vgpu)
 
     @property
     def is_display(self) -> bool:
@@ -107,6 +164,14 @@ class TokenSpec:
     # `sriov_offset` and `sriov_stride`) places it there: that PF's address.  Known
     # whether the VF exists now or not; its `functions` are empty while it does not.
     vf_of: str | None = None
+    # For an NVIDIA vGPU virtual function: the vGPU type (ID or name) its exclusive
+    # claim gives it, in place of passing it through on vfio-pci.
+    vgpu_type: str | None = None
+
+    @property
+    def primary(self) -> PciFunction | None:
+        """The function at the token's own address (None: it does not exist now)."""
+        return next((f for f in self.functions if f.address == self.address), None)
 
     @property
     def physical_function(self) -> str | None:

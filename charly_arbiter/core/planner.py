@@ -25,6 +25,7 @@ from charly_arbiter.core.model import (
     human_time,
 )
 from charly_arbiter.core.vfs import refuse_by_relation
+from charly_arbiter.core.vgpu import vgpu_target_of
 from charly_arbiter.errors import (
     ClaimRefused,
     PassthroughImpossible,
@@ -116,7 +117,12 @@ def unaccounted(ledger: LedgerState, token: TokenSpec) -> tuple[str, ...]:
     host contradicting the ledger (I2): a lease was lost with a deleted or replaced
     ledger, or something outside the arbiter bound it.  Empty when all is well.
     """
-    on_vfio = [f.address for f in token.functions if f.driver == VFIO]
+    # (an NVIDIA vGPU VF with a type set is given to a VM as one on vfio-pci is)
+    on_vfio = [
+        f.address
+        for f in token.functions
+        if f.driver == VFIO or (f.vgpu is not None and f.vgpu.current)
+    ]
     if not on_vfio or ledger.poison_of(token.name) is not None:
         return ()
     if any(lease.mode is Mode.EXCLUSIVE for lease in ledger.leases_on(token.name)):
@@ -222,9 +228,14 @@ def decide_claim(
         coverage=coverage or {},
         vf_users=vf_users,
     )
+    in_place = {}
+    for token in tokens:
+        target = vgpu_target_of(token, claimant, mode)
+        if target is not None:
+            in_place[token.name] = target
     if mode is Mode.EXCLUSIVE:
         for token in tokens:
-            blocker = (blockers or {}).get(token.name)
+            blocker = None if token.name in in_place else (blockers or {}).get(token.name)
             if blocker is not None:
                 raise PassthroughImpossible(_label(token), claimant, blocker.why, blocker.hint)
 
@@ -290,7 +301,9 @@ def decide_claim(
                 )
 
     if mode is Mode.EXCLUSIVE:
-        return _decide_exclusive(ledger, claimant, tokens, holders, stranded, transient, policy)
+        return _decide_exclusive(
+            ledger, claimant, tokens, holders, stranded, transient, policy, in_place
+        )
     return _decide_shared(ledger, claimant, tokens, holders, transient, policy)
 
 
@@ -302,6 +315,7 @@ def _decide_exclusive(
     stranded: frozenset[Claimant],
     transient: bool,
     policy: Policy,
+    in_place: Mapping[str, str],
 ) -> ClaimPlan:
     names = tuple(token.name for token in tokens)
     preempted: dict[Claimant, tuple[str, ...]] = {}
@@ -352,11 +366,13 @@ def _decide_exclusive(
         stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens, shared_tokens))
 
     _refuse_stops_being_started(ledger, claimant, stops, tokens, stranded)
+    # To vfio-pci; an NVIDIA vGPU VF stays on its driver and gets its type (`in_place`).
     switches = tuple(
-        Switch(token.name, function.address, function.driver, VFIO)
+        Switch(token.name, function.address, function.driver, in_place.get(token.name, VFIO))
         for token in tokens
         for function in token.functions
         if function.driver != VFIO
+        and (token.name not in in_place or function.address == token.address)
     )
     return ClaimPlan(
         claimant,

@@ -399,12 +399,15 @@ def decide_home(state: LedgerState, token: str, spec: TokenSpec | None) -> HomeS
         return HomeStep(token, HomeWay.POISONED)
     home = home_map(state, spec)
     current = {function.address: function.driver for function in spec.functions}
+    # An NVIDIA vGPU VF with a type is not home on nvidia: its way home clears the type.
+    typed = {f.address for f in spec.functions if f.vgpu is not None and f.vgpu.current}
     switches = tuple(
         Switch(token, address, current.get(address), driver)
         for address, driver in home.items()
         # (A home of vfio-pci, `adopt --admin`'s, is where it stays.)
         if (current.get(address) == VFIO and driver != VFIO)
         or (driver and current.get(address) != driver)
+        or address in typed
     )
     return HomeStep(token, HomeWay.SWITCH if switches else HomeWay.HOME, switches)
 

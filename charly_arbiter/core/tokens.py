@@ -116,6 +116,7 @@ class TokenCatalogue:
                         token.home_driver,
                         token.cdi,
                         token.console or self.config.console,
+                        vgpu_type=token.vgpu_type,
                     )
                 specs = _with_physical_functions(specs, missing)
             else:

@@ -24,12 +24,14 @@ from charly_arbiter.core.host import (
     PciFunction,
     TokenSpec,
     common_blocker,
+    vgpu_type_of,
 )
 from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
 from charly_arbiter.errors import (
     CommandFailed,
     HostError,
     SwitchFailed,
+    SwitchHung,
     VfCountFailed,
     VfCountHung,
     cli_command,
@@ -154,6 +156,7 @@ class LocalHost:
                     f"it is not a function of {token.name}",
                 )
         self.nvml.close()  # an open NVML session holds /dev/nvidia* itself
+        targets = self._vgpu_types(targets)
         leaving = any(driver == VFIO for driver in targets.values())
         if leaving and token.console == "release":
             self.console.release(token)
@@ -161,6 +164,51 @@ class LocalHost:
         if not leaving and token.console == "release":
             self.console.restore(token)
         self._check_health(targets)
+
+    def _vgpu_types(self, targets: Mapping[str, str]) -> dict[str, str]:
+        """Give each NVIDIA vGPU VF its type (`vgpu:ID`), or clear it (0) where the VF goes
+        home, before anything else; what is left is the drivers' switch.  The writes are
+        the write helper's, under the watchdog, as unbind's are."""
+        drivers: dict[str, str] = {}
+        for address, target in sorted(targets.items()):
+            wanted = vgpu_type_of(target)
+            vgpu = self.sysfs.vgpu(address)
+            if wanted is None and (vgpu is None or not vgpu.current):
+                drivers[address] = target
+                continue
+            driver = self.sysfs.current_driver(address)
+            if wanted is not None and driver != "nvidia":
+                raise SwitchFailed(
+                    address, target, "check driver", f"a vGPU VF is on nvidia, not on {driver}"
+                )
+            self._write_vgpu_type(address, target, wanted or 0)
+            if wanted is None:
+                drivers[address] = target
+        return drivers
+
+    def _write_vgpu_type(self, address: str, target: str, type_id: int) -> None:
+        if address in self.switcher.hung:
+            raise SwitchFailed(
+                address, target, "current_vgpu_type", "an earlier write never returned"
+            )
+        path = self.sysfs.device(address) / "nvidia" / "current_vgpu_type"
+        writer = self.switcher.blocking_writer
+        timeout = self.config.timeouts.driver_switch
+        try:
+            bounded(lambda: writer(path, str(type_id)), timeout, f"sysfs {address} vgpu")
+        except TimedOut:
+            self.switcher.hung[address] = "current_vgpu_type"
+            raise SwitchHung(address, target_label(target), "current_vgpu_type", timeout) from None
+        except OSError as error:
+            raise SwitchFailed(address, target, "current_vgpu_type", errno_text(error)) from None
+        now = self.sysfs.vgpu(address)
+        if now is None or now.current != type_id:
+            raise SwitchFailed(
+                address,
+                target,
+                "verify",
+                f"current_vgpu_type reads {now.current if now else 'nothing'}, not {type_id}",
+            )
 
     def _check_health(self, targets: Mapping[str, str]) -> None:
         """After a switch home: does the device answer, and does its driver see it?
@@ -185,7 +233,12 @@ class LocalHost:
                     f"try a reset (`echo 1 > {self.sysfs.device(physfn or address)}/reset`), "
                     "else power the host off and on",
                 )
-        on_nvidia = [address for address, driver in home.items() if driver == "nvidia"]
+        # (a virtual function is no GPU of NVML's: an NVIDIA vGPU VF is not listed)
+        on_nvidia = [
+            address
+            for address, driver in home.items()
+            if driver == "nvidia" and self.sysfs.physfn(address) is None
+        ]
         if on_nvidia:
             seen = self.nvml.gpus()
             usable = self.nvml.error is None

@@ -41,8 +41,10 @@ from charly_arbiter.core.host import (
     PciFunction,
     Sriov,
     TokenSpec,
+    Vgpu,
     common_blocker,
     sriov_enabled_why,
+    vgpu_type_of,
 )
 from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
 from charly_arbiter.core.pci import vf_address
@@ -205,6 +207,7 @@ class SimHost:
                     if driver in (None, VFIO)
                     else None,
                     physfn=device.get("physfn"),
+                    vgpu=self._vgpu(address, driver, vfs),
                     sriov=Sriov(
                         int(total),
                         tuple(a for _, a in links),
@@ -216,6 +219,30 @@ class SimHost:
                 )
             )
         return result
+
+    def _vgpu_types(self, pf: str) -> dict[int, str]:
+        device = next((d for d in self._devices() if d["address"] == pf), {})
+        return {int(key): str(name) for key, name in device.get("vgpu_types", {}).items()}
+
+    def _vgpu(self, address: str, driver: str | None, vfs: Mapping[str, Any]) -> Vgpu | None:
+        """An NVIDIA vGPU VF's files (its PF lists `vgpu_types` and it is on nvidia), as
+        NVIDIA's vGPU user guide lays them out (see core.host.Vgpu): every type is
+        creatable while no VF of the GPU has one, then only the type the others have,
+        and none on a VF that has a type."""
+        vf = vfs.get(address)
+        if vf is None or driver != "nvidia":
+            return None
+        types = self._vgpu_types(vf["pf"])
+        if not types:
+            return None
+        current = int(vf.get("vgpu", 0))
+        taken = {int(v.get("vgpu", 0)) for v in vfs.values() if v["pf"] == vf["pf"]} - {0}
+        creatable = tuple(
+            (type_id, name)
+            for type_id, name in sorted(types.items())
+            if not current and (not taken or type_id in taken)
+        )
+        return Vgpu(creatable, current)
 
     def _vf_devices(self, vfs: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The VFs as device entries: the PF's vendor and class, the VF device id."""
@@ -241,6 +268,21 @@ class SimHost:
             vfs = dict(state.get("vfs", {}))
             autoprobe = dict(state.get("autoprobe", {}))
         devices = {d["address"]: d for d in [*self._devices(), *self._vf_devices(vfs)]}
+        drivers_now = {f.address: f.driver for f in self._functions()}
+        typed = {}  # address -> the vGPU type it gets (0: its type is cleared)
+        for address, driver in targets.items():
+            vgpu = self._vgpu(address, drivers_now.get(address), vfs)
+            wanted = vgpu_type_of(driver)
+            if wanted is not None:
+                if vgpu is None:
+                    raise SwitchFailed(address, driver, "current_vgpu_type", "ENOENT: no vGPU VF")
+                if vgpu.current or all(wanted != type_id for type_id, _ in vgpu.creatable):
+                    raise SwitchFailed(address, driver, "current_vgpu_type", "EINVAL")
+                typed[address] = wanted
+            elif vgpu is not None and vgpu.current:
+                typed[address] = 0
+            elif driver == VFIO and address in vfs and self._vgpu_types(vfs[address]["pf"]):
+                raise SwitchFailed(address, VFIO, "verify", "no driver took the device (EINVAL)")
         for address, driver in targets.items():
             device = devices.get(address, {})
             enabled = [vf for vf, v in vfs.items() if v["pf"] == address]
@@ -258,7 +300,12 @@ class SimHost:
             if device.get("fail_switch"):
                 raise SwitchFailed(address, target_label(driver), "verify", "simulated failure")
         with self._state() as state:
+            for address, type_id in typed.items():
+                state["vfs"][address]["vgpu"] = type_id
+                state["log"].append(f"vgpu {address} {type_id}")
             for address, driver in targets.items():
+                if address in typed and vgpu_type_of(driver) is not None:
+                    continue  # it stays on nvidia
                 home = devices.get(address, {}).get("driver", "")
                 new = driver if driver != NO_DRIVER else (home if home != VFIO else "")
                 pf = vfs[address]["pf"] if address in vfs else None

@@ -17,7 +17,7 @@ import pytest
 from coretools import ALL_PREEMPTIBLE, HOME, TOKEN_FUNCTIONS
 from interleave import Outcome, World, errors_of, explore
 from invariants import assert_converged, assert_invariants, sim_facts
-from simhosts import PF, VF0, VF1, holder, sriov_pf, sriov_tokens
+from simhosts import PF, VF0, VF1, holder, sriov_pf, sriov_tokens, vgpu_pf
 
 from charly_arbiter.core.model import VFIO, LeaseState, Mode
 from charly_arbiter.core.vfcount import set_vf_count
@@ -585,3 +585,68 @@ def test_the_explorer_finds_a_pf_taken_from_under_its_vf(monkeypatch):
     monkeypatch.setattr(planner, "refuse_by_relation", lambda *args, **kwargs: None)
     with pytest.raises(AssertionError, match=r"I1: pf is held exclusively by libvirt:whole"):
         test_a_vf_claim_a_pf_claim_and_a_count_change_to_zero()
+
+
+# -- NVIDIA vGPU on VFs: a claim whose one step is the VF's type ---------------------------
+
+VGPU_TOKENS = (
+    sriov_tokens(2, vf_tokens=("vf0", "vf1"))
+    .replace(f'address = "{VF0}"', f'address = "{VF0}"\nvgpu_type = "NVIDIA L40S-2Q"')
+    .replace(f'address = "{VF1}"', f'address = "{VF1}"\nvgpu_type = 558')
+)
+
+
+def start_vgpu(world: World) -> None:
+    world.root.chmod(0o700)
+    (world.sim_dir / "host.toml").write_text(ALL_PREEMPTIBLE + "\n" + vgpu_pf())
+    world.config_path.write_text(CONFIG.format(root=world.root) + VGPU_TOKENS)
+    world.host().write_sysfs(PF, "sriov_numvfs", "2")
+
+
+def vgpu_check(world: World, where: str) -> None:
+    state = world.ledger().read()
+    functions = {**TOKEN_FUNCTIONS, "pf": (PF,), "vf0": (VF0,), "vf1": (VF1,)}
+    facts = sim_facts(
+        world.host().snapshot(), functions, holder_refs(world), {"vf0": "pf", "vf1": "pf"}
+    )
+    assert_invariants(state, facts, where)
+
+
+def test_kill_9_anywhere_in_two_vgpu_claims_and_a_release():
+    """Two VMs take the two vGPU VFs (the same type, as one GPU runs one at a time) while
+    the first one's release runs; kill -9 anywhere: a type is set only while an
+    exclusive lease holds its VF (I2's vGPU clause), and `restore` clears what a crash
+    left."""
+
+    def finish(outcome: Outcome) -> None:
+        world = outcome.world
+        host = world.host()
+        for _ in range(3):
+            for claimant in ("libvirt:a", "libvirt:b"):
+                host.set_running(claimant, False)
+            world.arbiter(1).restore()
+        state = world.ledger().read()
+        assert state.leases == (), state.leases
+        vfs = host.snapshot()["vfs"]
+        for vf in (VF0, VF1):
+            poisoned = state.poison_of("vf0" if vf == VF0 else "vf1") is not None
+            assert poisoned or vfs[vf].get("vgpu", 0) == 0, (vf, vfs, outcome.choices)
+        vgpu_check(world, "converged")
+
+    def scenario(world: World) -> None:
+        start_vgpu(world)
+        world.arbiter(1).acquire("libvirt:a", Mode.EXCLUSIVE, ["vf0"])
+
+    stats = explore(
+        scenario,
+        [
+            ("a-release", release("libvirt:a")),
+            ("b", acquire("libvirt:b", Mode.EXCLUSIVE, "vf1")),
+        ],
+        vgpu_check,
+        lambda outcome: (no_unexpected_errors(outcome), finish(outcome)),
+        preemptions=1,
+        crash=True,
+    )
+    print(f"\nvGPU: {stats.schedules} schedules, {stats.crashes} kill -9s checked")
+    assert stats.schedules >= 20, stats

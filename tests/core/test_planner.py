@@ -8,7 +8,15 @@ from dataclasses import replace
 
 import pytest
 
-from charly_arbiter.core.host import NO_DRIVER, DeviceUser, Holder, PciFunction, Sriov, TokenSpec
+from charly_arbiter.core.host import (
+    NO_DRIVER,
+    DeviceUser,
+    Holder,
+    PciFunction,
+    Sriov,
+    TokenSpec,
+    Vgpu,
+)
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
@@ -653,3 +661,77 @@ def test_every_pf_and_vf_state_obeys_the_relation(pf_lease, vf_lease, vf_state, 
         # The VF goes to vfio-pci; its PF is never switched, and never stopped for it.
         assert {s.address for s in plan.switches} <= {VF0}
         assert all(s.address != PF for s in plan.switches)
+
+
+# -- NVIDIA vGPU on virtual functions (core/vgpu.py) --------------------------------------
+
+GVF = "0000:41:00.4"
+TYPES = ((557, "NVIDIA L40S-1Q"), (558, "NVIDIA L40S-2Q"))
+
+
+def vgpu_token(type_wanted, driver, files, current):
+    """The VF as the host reads it: on `driver`, with nvidia/'s vGPU files or not (listing
+    only 558 while another VF has it, everything else while none has), `current` its
+    type; the token's configured `vgpu_type`."""
+    creatable = () if current else TYPES
+    vgpu = Vgpu(creatable, current) if files else None
+    function = PciFunction(GVF, "10de", "26b9", "030200", driver, "31", physfn=PF, vgpu=vgpu)
+    return TokenSpec("gvf", GVF, (function,), vgpu_type=type_wanted)
+
+
+VGPU_LEASES = {
+    "none": (),
+    "exclusive": (lease("libvirt:vm", Mode.EXCLUSIVE, "gvf"),),
+    "shared": (lease("container:s", Mode.SHARED, "gvf"),),
+}
+
+
+@pytest.mark.parametrize("type_wanted", [None, "558", "NVIDIA L40S-1Q", "999"])
+@pytest.mark.parametrize("driver", ["nvidia", None])
+@pytest.mark.parametrize("files", [True, False])
+@pytest.mark.parametrize("current", [0, 558])
+@pytest.mark.parametrize("existing", sorted(VGPU_LEASES))
+@pytest.mark.parametrize("mode", list(Mode))
+def test_every_vgpu_state_obeys_the_rules(type_wanted, driver, files, current, existing, mode):
+    """Exhaustive over (the configured type, the VF's driver, whether it has nvidia/'s
+    vGPU files, its current type, a lease on it, the mode).  A vGPU VF is only claimed
+    exclusively, with a type it lists as creatable now, while on nvidia; the claim
+    switches no driver, its one step is the type; a type set with no exclusive lease
+    to account for it is the host contradicting the ledger."""
+    if current and not files:
+        return  # a type needs the files
+    state = EMPTY
+    for item in VGPU_LEASES[existing]:
+        state = state.with_lease(item)
+    spec = vgpu_token(type_wanted, driver, files, current)
+    vgpu_vf = files or type_wanted is not None
+    creatable = {str(i) for i, _ in TYPES} | {n.lower() for _, n in TYPES} if not current else set()
+    reasons = set()
+    exclusive_lease = existing == "exclusive"
+    if current and not exclusive_lease:
+        reasons.add("unaccounted")
+    if exclusive_lease:
+        reasons.add("held exclusively")
+    if vgpu_vf and mode is Mode.SHARED:
+        reasons.add("shared")
+    if vgpu_vf and mode is Mode.EXCLUSIVE:
+        if type_wanted is None:
+            reasons.add("no type")
+        elif not files or driver != "nvidia":
+            reasons.add("not a vGPU VF")
+        elif type_wanted.lower() not in creatable:
+            reasons.add("not creatable")
+    if not vgpu_vf and mode is Mode.SHARED and driver is None and existing == "none":
+        reasons.add("no driver takes it")  # the first shared claim, as for any GPU
+    try:
+        plan = decide_claim(state, "libvirt:me", mode, [spec], [], NONE)
+    except ClaimRefused as refused:
+        assert reasons, (type_wanted, driver, files, current, existing, mode, refused)
+        return
+    assert not reasons, (type_wanted, driver, files, current, existing, mode, reasons)
+    if vgpu_vf:
+        # The VF never leaves nvidia: its claim's one step is the type.
+        wanted = {"558": 558, "nvidia l40s-1q": 557}[type_wanted.lower()]
+        assert [(s.address, s.to_driver) for s in plan.switches] == [(GVF, f"vgpu:{wanted}")]
+    elif mode is Mode.EXCLUSIVE and driver != VFIO:
+        assert [(s.address, s.to_driver) for s in plan.switches] == [(GVF, VFIO)]
