@@ -300,6 +300,23 @@ class VfCountHung(VfCountFailed):
         self.timeout = timeout
 
 
+class MigInvalid(UsageError):
+    """A MIG change or instance for a token that has no MIG, or a layout or instance
+    it cannot have."""
+
+    def __init__(self, token: str, why: str, hint: str | None = None) -> None:
+        super().__init__(f"{token}: {why}", hint=hint)
+        self.token = token
+
+
+class MigFailed(ArbiterError):
+    """NVML refused or failed a change of a GPU's MIG mode or layout."""
+
+    def __init__(self, address: str, change: str, why: str, hint: str | None = None) -> None:
+        super().__init__(f"{address}: MIG {change} failed: {why}", hint=hint)
+        self.address = address
+
+
 class HolderError(ArbiterError):
     """Stopping or starting a holder failed."""
 

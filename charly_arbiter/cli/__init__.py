@@ -38,6 +38,7 @@ COMMANDS = {
     "adopt": "charly_arbiter.cli.adopt:adopt",
     "send-home": "charly_arbiter.cli.adopt:send_home_command",
     "vfs": "charly_arbiter.cli.vfs:vfs",
+    "mig": "charly_arbiter.cli.mig:mig",
 }
 
 

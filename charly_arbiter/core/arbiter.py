@@ -204,6 +204,7 @@ class Arbiter:
         transient: bool = False,
         policy: Policy = NO_POLICY,
         wait: float | None = None,
+        in_place: bool = False,
     ) -> ClaimPlan:
         """Claim the tokens, stopping what must make room, or raise why not.
 
@@ -212,15 +213,21 @@ class Arbiter:
         retried for up to `wait` seconds (default `timeouts.claim_wait`): a VM
         destroyed and started at once waits for its own release instead of
         being refused or, worse, finding its old lease and starting without one.
+
+        A token name `TOKEN:N` is the MIG instance N of TOKEN's GPU (a sub-token, as
+        NVIDIA's CDI spec names it `GPU:N`): it is claimed shared, as a use of the GPU.
+        `in_place` (the arbiter's own MIG change) stops what uses the tokens and
+        switches nothing.
         """
         ref = Claimant.parse(claimant)
+        token_names = self.tokens.parent_names(token_names, mode)
         limit = self.config.timeouts.claim_wait if wait is None else wait
         deadline = time.monotonic() + limit
         tokens = self.tokens.reread(token_names)
         self._refuse_rollback()
         while True:
             try:
-                return self._acquire_once(ref, mode, tokens, transient, policy)
+                return self._acquire_once(ref, mode, tokens, transient, policy, in_place)
             except ClaimRefused as refusal:
                 if not refusal.retry or time.monotonic() >= deadline:
                     if isinstance(refusal, TokenUnaccounted):
@@ -240,12 +247,13 @@ class Arbiter:
         tokens: Sequence[TokenSpec],
         transient: bool,
         policy: Policy,
+        in_place: bool = False,
     ) -> ClaimPlan:
         by_name = {token.name: token for token in tokens}
         # Outside the lock: these may ask libvirt, whose hooks call back in here.
         seen = self.ledger.read()
         holders = self.host.holders(tokens)
-        blockers = self._blockers(mode, tokens)
+        blockers = {} if in_place else self._blockers(mode, tokens)
         vf_users = self._vf_users(mode, tokens)
         boot_id = self.host.boot_id()
         alive = claimant_liveness(self.host, seen, boot_id)
@@ -266,6 +274,7 @@ class Arbiter:
                 coverage=self.tokens.addresses(),
                 parents=self.tokens.parents(),
                 vf_users=vf_users,
+                in_place=in_place,
             )
             if plan.already_held:
                 own = txn.state.lease_of(claimant)

@@ -86,6 +86,8 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
             + ("operation" if claimant.startswith("arbiter:") else "switch")
             + f" failed): {why}"
         ),
+        "mig": lambda: f"{token}: changing its MIG {get('change', '?')}, its holders stopped",
+        "mig-done": lambda: f"{token}: MIG {get('change', '?')} done, its holders back",
         "vf-count": lambda: (
             f"{token}: changing its VF count from {get('before', '?')} to {get('count', '?')}"
         ),

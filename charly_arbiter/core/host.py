@@ -111,6 +111,47 @@ def parse_vgpu_types(text: str) -> tuple[tuple[int, str], ...]:
     return tuple(found)
 
 
+@dataclass(frozen=True)
+class MigInstance:
+    """One MIG device of a GPU (a compute instance in its GPU instance), as NVML lists
+    it: `index` is the MIG device's index under its GPU, which NVIDIA's CDI spec
+    generator puts in its names (`nvidia.com/gpu=GPU:INDEX`)."""
+
+    index: int
+    gpu_instance: int
+    compute_instance: int
+    uuid: str  # MIG-...
+    profile: str  # 1g.10gb, 3g.40gb, ...
+
+
+@dataclass(frozen=True)
+class MigState:
+    """A MIG-capable GPU's mode (and the mode it takes at its next reset, when that
+    differs), its NVML index and its instances."""
+
+    enabled: bool
+    pending: bool
+    index: int
+    instances: tuple[MigInstance, ...] = ()
+
+    def instance(self, index: int) -> MigInstance | None:
+        return next((i for i in self.instances if i.index == index), None)
+
+
+@dataclass(frozen=True)
+class MigChange:
+    """What `mig TOKEN` asks: MIG mode on or off, or a layout (its instances' profiles,
+    each a GPU instance with one compute instance that takes all of it)."""
+
+    enabled: bool | None = None
+    layout: tuple[str, ...] | None = None
+
+    def __str__(self) -> str:
+        if self.layout is not None:
+            return "layout " + (",".join(self.layout) or "(none)")
+        return "on" if self.enabled else "off"
+
+
 def sriov_enabled_why(count: int) -> str:
     """Why vfio-pci did not take a physical function: its probe refuses one with
     virtual functions ("Cannot bind to PF with SR-IOV enabled", seen on Linux 6.1),
@@ -312,6 +353,16 @@ class Host(Protocol):
         did not return within the switch timeout: it stays stuck in the kernel (a VF's
         VFIO device held open), in a helper process, and nothing more is written to the
         device from this process."""
+        ...
+
+    def mig(self, token: TokenSpec) -> MigState | None:
+        """The token's GPU's MIG mode and instances (None: it has no MIG, or NVML cannot
+        say; `mig_error` then says why)."""
+        ...
+
+    def set_mig(self, token: TokenSpec, change: MigChange) -> MigState:
+        """Change the GPU's MIG mode or layout (every client of the GPU must be gone);
+        raises `MigFailed` with what NVML said."""
         ...
 
     def holders(self, tokens: Sequence[TokenSpec]) -> Sequence[Holder]:

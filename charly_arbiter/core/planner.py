@@ -8,7 +8,7 @@ tested over every pair of states.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from charly_arbiter.core.events import a_or_an
 from charly_arbiter.core.host import NO_DRIVER, Blocker, DeviceUser, Holder, TokenSpec
@@ -178,6 +178,7 @@ def decide_claim(
     coverage: Mapping[str, Collection[str]] | None = None,
     parents: Mapping[str, str] | None = None,
     vf_users: Sequence[DeviceUser] = (),
+    in_place: bool = False,
 ) -> ClaimPlan:
     """Decide a claim, or raise the `ClaimRefused` that says why it cannot be had.
 
@@ -192,6 +193,9 @@ def decide_claim(
     and `vf_users` are the processes that have a node of a claimed token's VFs
     open: the PF↔VF rules of `core/vfs.py` refuse an exclusive claim on a PF
     whose VFs are in use, and a claim on a VF whose PF is held exclusively.
+    `in_place` is an exclusive claim that leaves the GPU on its driver (the
+    arbiter's own MIG change): it stops every holder, as any exclusive claim
+    does, and switches nothing.
     """
     names = tuple(token.name for token in tokens)
     for token in tokens:
@@ -227,15 +231,24 @@ def decide_claim(
         parents=parents or {},
         coverage=coverage or {},
         vf_users=vf_users,
+        in_place=in_place,
     )
-    in_place = {}
+    vgpu_targets = {}
     for token in tokens:
-        target = vgpu_target_of(token, claimant, mode)
+        target = None if in_place else vgpu_target_of(token, claimant, mode)
         if target is not None:
-            in_place[token.name] = target
-    if mode is Mode.EXCLUSIVE:
+            vgpu_targets[token.name] = target
+        away = [f.address for f in token.functions if f.driver == VFIO]
+        if in_place and away:
+            raise ClaimRefused(
+                _label(token),
+                claimant,
+                f"{', '.join(away)} is on vfio-pci: this is done on the GPU's own driver",
+                hint=f"bring it home first ({cli_command('status')} shows what holds it)",
+            )
+    if mode is Mode.EXCLUSIVE and not in_place:
         for token in tokens:
-            blocker = None if token.name in in_place else (blockers or {}).get(token.name)
+            blocker = None if token.name in vgpu_targets else (blockers or {}).get(token.name)
             if blocker is not None:
                 raise PassthroughImpossible(_label(token), claimant, blocker.why, blocker.hint)
 
@@ -301,9 +314,10 @@ def decide_claim(
                 )
 
     if mode is Mode.EXCLUSIVE:
-        return _decide_exclusive(
-            ledger, claimant, tokens, holders, stranded, transient, policy, in_place
+        plan = _decide_exclusive(
+            ledger, claimant, tokens, holders, stranded, transient, policy, vgpu_targets
         )
+        return replace(plan, switches=()) if in_place else plan
     return _decide_shared(ledger, claimant, tokens, holders, transient, policy)
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from charly_arbiter.core.config import DEFAULT_CONFIG, Config
 from charly_arbiter.core.host import Host, PciFunction, TokenSpec
-from charly_arbiter.errors import HostError, TokensOverlap, UnknownToken
+from charly_arbiter.core.model import Mode
+from charly_arbiter.errors import HostError, MigInvalid, TokensOverlap, UnknownToken, cli_command
 
 
 def overlap(specs: Iterable[TokenSpec]) -> tuple[str, str, str] | None:
@@ -160,6 +161,35 @@ class TokenCatalogue:
         if missing:
             raise UnknownToken(missing[0], sorted(known))
         return [known[name] for name in dict.fromkeys(names)]
+
+    def parent_names(self, names: Sequence[str], mode: Mode) -> list[str]:
+        """The names with each MIG sub-token (`TOKEN:N`, the MIG instance N of TOKEN's
+        GPU) as its GPU's token, once the GPU has that instance now: a container using
+        an instance uses the GPU, on its driver, beside the others (shared only)."""
+        found = []
+        for name in names:
+            parent, colon, index = name.partition(":")
+            if not colon:
+                found.append(name)
+                continue
+            [spec] = self.resolve([parent])
+            if mode is not Mode.SHARED:
+                raise MigInvalid(name, "a MIG instance is claimed shared (it is a use of the GPU)")
+            state = self.host.mig(spec) if index.isdigit() else None
+            if state is None or state.instance(int(index)) is None:
+                have = (
+                    ", ".join(f"{parent}:{i.index} ({i.profile})" for i in state.instances)
+                    if state
+                    else ""
+                )
+                raise MigInvalid(
+                    name,
+                    f"{parent} has no MIG instance {index}"
+                    + (f" (it has {have})" if have else " (MIG is off, or NVML cannot say)"),
+                    hint=f"run {cli_command('mig', operands=[parent])} to see its instances",
+                )
+            found.append(parent)
+        return list(dict.fromkeys(found))
 
     def reread(self, names: Sequence[str]) -> list[TokenSpec]:
         """Like `resolve`, with each function's driver read again now."""

@@ -21,6 +21,8 @@ from charly_arbiter.core.host import (
     Blocker,
     DeviceUser,
     Holder,
+    MigChange,
+    MigState,
     PciFunction,
     TokenSpec,
     common_blocker,
@@ -30,6 +32,7 @@ from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
 from charly_arbiter.errors import (
     CommandFailed,
     HostError,
+    MigFailed,
     SwitchFailed,
     SwitchHung,
     VfCountFailed,
@@ -94,6 +97,7 @@ class LocalHost:
             config.timeouts.driver_switch,
         )
         self.nvml = Nvml()
+        self.mig_error = ""  # why `mig` said None last
         self.processes = ProcessHolders(
             config, self.sysfs, proc_root, dev_root, nvml_processes=self._nvml_processes
         )
@@ -288,6 +292,30 @@ class LocalHost:
             raise VfCountHung(address, count, timeout) from None
         except OSError as error:
             raise VfCountFailed(address, count, errno_text(error)) from None
+
+    def mig(self, token: TokenSpec) -> MigState | None:
+        if not any(f.vendor == NVIDIA_VENDOR for f in token.functions):
+            self.mig_error = "it is no NVIDIA GPU"
+            return None
+        try:
+            state = self.nvml.mig(token.address)
+            self.mig_error = self.nvml.error or ""
+            return state
+        finally:
+            self.nvml.close()
+
+    def set_mig(self, token: TokenSpec, change: MigChange) -> MigState:
+        """Under a watchdog: an NVML call that never returns (a GPU that fell off the bus)
+        must not keep the holders the change stopped down for good."""
+        timeout = self.config.timeouts.driver_switch
+        try:
+            return bounded(lambda: self.nvml.set_mig(token.address, change), timeout, "mig")
+        except TimedOut:
+            raise MigFailed(
+                token.address, str(change), f"NVML did not return within {timeout:g} s"
+            ) from None
+        finally:
+            self.nvml.close()  # it holds /dev/nvidia*, which the holders coming back need
 
     def _vfio_available(self) -> bool:
         """Loaded, built in, or listed among this kernel's modules (modprobe loads it)."""

@@ -38,6 +38,9 @@ from charly_arbiter.core.host import (
     Blocker,
     DeviceUser,
     Holder,
+    MigChange,
+    MigInstance,
+    MigState,
     PciFunction,
     Sriov,
     TokenSpec,
@@ -51,6 +54,8 @@ from charly_arbiter.core.pci import vf_address
 from charly_arbiter.errors import (
     HolderError,
     HostError,
+    MigFailed,
+    MigInvalid,
     SwitchFailed,
     SwitchHung,
     VfCountFailed,
@@ -528,6 +533,61 @@ class SimHost:
 
     def close(self) -> None:
         pass
+
+    # -- MIG: what NVML says and does, for a GPU with `mig_profiles` ------------------------
+
+    def mig(self, token: TokenSpec) -> MigState | None:
+        """NVML's MIG view of the GPU: host.toml's `mig_profiles` (profile -> its compute
+        slices, of 7) make it MIG-capable; its mode and layout live in state.json."""
+        gpus = [d for d in self._devices() if str(d.get("class", "")).startswith("03")]
+        device = next((d for d in gpus if d["address"] == token.address), None)
+        if device is None or not device.get("mig_profiles"):
+            return None
+        with self._state() as state:
+            mig = dict(state.get("mig", {}).get(token.address, {}))
+        layout = list(mig.get("layout", []))
+        enabled = bool(mig.get("enabled", False))
+        return MigState(
+            enabled=enabled,
+            pending=False,
+            index=[d["address"] for d in gpus if d.get("vendor") == "10de"].index(token.address),
+            instances=tuple(
+                MigInstance(index, index + 1, 0, f"MIG-{token.address}-{index}", profile)
+                for index, profile in enumerate(layout if enabled else [])
+            ),
+        )
+
+    def set_mig(self, token: TokenSpec, change: MigChange) -> MigState:
+        """nvmlDeviceSetMigMode and the instances' destroy and create, as NVML refuses
+        them: while a client uses the GPU (a holder of its token runs), a layout
+        while MIG is off, a profile it does not have, more slices than its 7."""
+        before = self.mig(token)
+        device = next(d for d in self._devices() if d["address"] == token.address)
+        if before is None:
+            raise MigInvalid(token.name, "it has no MIG (simulated: no mig_profiles)")
+        running = [holder.ref for holder in self.simulated_holders([token]) if holder.running]
+        if running or device.get("fail_mig"):
+            why = f"In use by another client ({', '.join(running)})" if running else "simulated"
+            raise MigFailed(token.address, str(change), why)
+        profiles = {str(name): int(slices) for name, slices in device["mig_profiles"].items()}
+        with self._state() as state:
+            mig = state.setdefault("mig", {}).setdefault(token.address, {})
+            if change.layout is None:
+                mig["enabled"] = bool(change.enabled)
+                mig["layout"] = []
+            else:
+                if not mig.get("enabled"):
+                    raise MigInvalid(token.name, "MIG mode is off: turn it on first")
+                unknown = [p for p in change.layout if p not in profiles]
+                if unknown:
+                    raise MigInvalid(token.name, f"it has no MIG profile {unknown[0]}")
+                if sum(profiles[p] for p in change.layout) > 7:
+                    raise MigFailed(token.address, str(change), "Insufficient Resources")
+                mig["layout"] = list(change.layout)
+            state["log"].append(f"mig {token.address} {change}")
+        after = self.mig(token)
+        assert after is not None
+        return after
 
     # -- SR-IOV: the kernel's side of sriov_numvfs -------------------------------------
 
