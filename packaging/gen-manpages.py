@@ -111,6 +111,7 @@ FILES_OF: dict[str, list[tuple[str, str]]] = {
     "detach": [CONFIG, LEDGER_R, UNITS, ("/etc/charly-arbiter/attached.d/UNIT.toml", "w: removed")],
     "adopt": [CONFIG, LEDGER_W, HISTORY_W, SYSFS_R],
     "send-home": CLAIMING,
+    "mig": [CONFIG, LEDGER_W, HISTORY_W, PROC, ("/dev/nvidia*", "r, w: NVML's (libnvidia-ml)")],
     "vfs": [
         CONFIG,
         LEDGER_W,
@@ -192,6 +193,11 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     ],
     "send-home": [
         ("charly-arbiter send-home gpu0", "back to its driver, with what was stopped for it"),
+    ],
+    "mig": [
+        ("charly-arbiter mig gpu0", "its MIG mode and instances, each a sub-token gpu0:N"),
+        ("charly-arbiter mig gpu0 on", "MIG mode on: what uses the GPU is stopped and back"),
+        ("charly-arbiter mig gpu0 layout 3g.40gb,2g.20gb,1g.10gb", "three instances"),
     ],
     "vfs": [
         ("charly-arbiter vfs gpu0 4", "four virtual functions (through 0 if it has some)"),

@@ -166,3 +166,15 @@ def vgpu_pf(address: str = PF, *, total: int = 2, group: int = 4) -> str:
         extra=f'sriov_totalvfs = {total}\nsriov_vf_device = "26b9"\nsriov_vf_driver = "nvidia"\n'
         f"vgpu_types = {VGPU_TYPES}\n",
     )
+
+
+MIG_PROFILES = '{ "1g.10gb" = 1, "2g.20gb" = 2, "3g.40gb" = 3, "7g.80gb" = 7 }'
+
+
+def mig_host(**faults: str) -> str:
+    """The default host with gpu0 MIG-capable (an H100's profiles, as NVML lists them)."""
+    return default_host(**faults).replace(
+        'address = "0000:0a:00.0"\n',
+        f'address = "0000:0a:00.0"\nmig_profiles = {MIG_PROFILES}\n',
+        1,
+    )

@@ -238,14 +238,6 @@ def decide_claim(
         target = None if in_place else vgpu_target_of(token, claimant, mode)
         if target is not None:
             vgpu_targets[token.name] = target
-        away = [f.address for f in token.functions if f.driver == VFIO]
-        if in_place and away:
-            raise ClaimRefused(
-                _label(token),
-                claimant,
-                f"{', '.join(away)} is on vfio-pci: this is done on the GPU's own driver",
-                hint=f"bring it home first ({cli_command('status')} shows what holds it)",
-            )
     if mode is Mode.EXCLUSIVE and not in_place:
         for token in tokens:
             blocker = None if token.name in vgpu_targets else (blockers or {}).get(token.name)
@@ -313,6 +305,15 @@ def decide_claim(
                     retry=True,
                 )
 
+    for token in tokens if in_place else ():
+        away = [f.address for f in token.functions if f.driver == VFIO]
+        if away:
+            raise ClaimRefused(
+                _label(token),
+                claimant,
+                f"{', '.join(away)} is on vfio-pci: this is done on the GPU's own driver",
+                hint=f"bring it home first ({cli_command('status')} shows what holds it)",
+            )
     if mode is Mode.EXCLUSIVE:
         plan = _decide_exclusive(
             ledger, claimant, tokens, holders, stranded, transient, policy, vgpu_targets

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import pytest
 from clitools import READ_ONLY, ledger_locked, namespaced
-from simhosts import PF, VF1, default_host, sriov_pf, sriov_tokens
+from simhosts import PF, VF1, default_host, mig_host, sriov_pf, sriov_tokens
 
 from charly_arbiter.cli import COMMANDS
 from charly_arbiter.cli.app import build
@@ -164,6 +164,15 @@ CASES = [
     C("send-home", 1, ("send-home", "gpu0"), "unaccounted_failing", "did not go all the way"),
     C("send-home", 2, ("send-home", "gpu9"), says="gpu0, gpu1"),
     C("send-home", 3, ("send-home", "gpu1"), says="not on vfio-pci"),
+    C("mig", 0, ("mig", "gpu0"), "mig", "gpu0: MIG off"),
+    C("mig", 0, ("mig", "gpu0", "on"), "mig", "stopped and brought back container:llm"),
+    C("mig", 1, ("mig", "gpu0", "on"), "mig_failing", "MIG on failed"),
+    C("mig", 2, ("mig", "gpu0", "layout"), "mig", "say layout PROFILE"),
+    C("mig", 2, ("mig", "gpu0", "layout", "1g.10gb"), "mig", "MIG mode is off"),
+    C("mig", 2, ("mig", "gpu9"), "mig", "gpu0, gpu1"),
+    C("mig", 2, ("mig", "gpu1"), "mig", "has no MIG mode"),
+    C("mig", 3, ("mig", "gpu0", "on"), "mig_held", "held exclusively by libvirt:win11"),
+    C("acquire", 2, ("acquire", "--shared", "container:c", "gpu0:0"), "mig", "MIG is off"),
     C("vfs", 0, ("vfs", "pf", "1"), "sriov", "pf: 2 -> 1 VFs"),
     C("vfs", 0, ("vfs", "--configured"), "sriov", "pf has 2 VFs already"),
     C("vfs", 1, ("vfs", "pf", "0"), "sriov_hung", "pf is poisoned now"),
@@ -396,6 +405,16 @@ def _sriov_hung(sim: SimEnv) -> None:
     host.switch(TokenSpec(VF1, VF1, tuple(host.token_functions(VF1, VF1))), {VF1: VFIO})
 
 
+def _mig(sim: SimEnv, fault: str = "") -> None:
+    """gpu0 MIG-capable (NVML's side of the simulated host)."""
+    sim.set_host(mig_host(gpu0=fault))
+
+
+def _mig_held(sim: SimEnv) -> None:
+    _mig(sim)
+    _hold(sim)
+
+
 SCENARIOS: dict[str, Callable[[SimEnv], Iterator[None] | None]] = {
     "fresh": lambda sim: None,
     "poisoned": _poison,
@@ -420,6 +439,9 @@ SCENARIOS: dict[str, Callable[[SimEnv], Iterator[None] | None]] = {
     "attached_unsafe": _attached_unsafe,
     "gpu7_in_history": _gpu7_in_history,
     "bundle": _bundle,
+    "mig": _mig,
+    "mig_failing": lambda sim: _mig(sim, "fail_mig = true"),
+    "mig_held": _mig_held,
     "sriov": _sriov,
     "sriov_leased": _sriov_leased,
     "sriov_hung": _sriov_hung,

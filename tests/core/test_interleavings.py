@@ -17,11 +17,13 @@ import pytest
 from coretools import ALL_PREEMPTIBLE, HOME, TOKEN_FUNCTIONS
 from interleave import Outcome, World, errors_of, explore
 from invariants import assert_converged, assert_invariants, sim_facts
-from simhosts import PF, VF0, VF1, holder, sriov_pf, sriov_tokens, vgpu_pf
+from simhosts import PF, VF0, VF1, holder, mig_host, sriov_pf, sriov_tokens, vgpu_pf
 
+from charly_arbiter.core.host import MigChange
+from charly_arbiter.core.migop import change_mig
 from charly_arbiter.core.model import VFIO, LeaseState, Mode
 from charly_arbiter.core.vfcount import set_vf_count
-from charly_arbiter.errors import ClaimRefused, LeaseInProgress, VfCountRefused
+from charly_arbiter.errors import ClaimRefused, LeaseInProgress, MigInvalid, VfCountRefused
 
 CONFIG = """
 host = "sim:{root}/host"
@@ -40,7 +42,8 @@ address = "0000:0a:00.0"
 address = "0000:0b:00.0"
 """
 CLAIMANTS = ("libvirt:a", "libvirt:b", "container:s", "container:t")
-EXPECTED_FAILURES = (ClaimRefused, LeaseInProgress)
+# (MigInvalid: a MIG instance a layout change has just removed)
+EXPECTED_FAILURES = (ClaimRefused, LeaseInProgress, MigInvalid)
 
 
 def start_with(
@@ -650,3 +653,47 @@ def test_kill_9_anywhere_in_two_vgpu_claims_and_a_release():
     )
     print(f"\nvGPU: {stats.schedules} schedules, {stats.crashes} kill -9s checked")
     assert stats.schedules >= 20, stats
+
+
+# -- MIG: a change of the GPU's layout, the arbiter's own exclusive claim in place ---------
+
+
+def start_mig(world: World) -> None:
+    """gpu0 MIG-capable, on, in two instances; container:s uses instance 0 (shared)."""
+    start_with(world, host=mig_host(dm_preemptible=True))
+    arbiter = world.arbiter(1)
+    change_mig(arbiter, "gpu0", MigChange(enabled=True))
+    change_mig(arbiter, "gpu0", MigChange(layout=("3g.40gb", "3g.40gb")))
+    arbiter.acquire("container:s", Mode.SHARED, ["gpu0:0"])
+
+
+def mig_to(*profiles: str):
+    def operation(world: World, pid: int) -> None:
+        change_mig(world.arbiter(pid), "gpu0", MigChange(layout=profiles))
+
+    return operation
+
+
+def test_kill_9_anywhere_in_a_mig_change_racing_a_vms_claim():
+    """A new layout (which stops everything on the GPU, container:s on instance 0
+    among them, and brings it back) against a VM's exclusive claim on the GPU, in every
+    order with kill -9 anywhere: I1-I3 at every step, `restore` converges (I5)."""
+    run(
+        start_mig,
+        [("mig", mig_to("7g.80gb")), ("a", acquire("libvirt:a", Mode.EXCLUSIVE, "gpu0"))],
+        preemptions=1,
+        crash=True,
+        floor=50,
+    )
+
+
+def test_a_mig_change_racing_a_container_on_an_instance_it_removes():
+    """A container claims instance 1 while a new layout removes it: it gets it before
+    the change (and is stopped and brought back by it) or is refused after; never a
+    lease on an instance that is gone beside the change's own lease."""
+    run(
+        start_mig,
+        [("mig", mig_to("7g.80gb")), ("t", acquire("container:t", Mode.SHARED, "gpu0:1"))],
+        preemptions=1,
+        floor=15,
+    )

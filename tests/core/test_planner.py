@@ -29,6 +29,7 @@ from charly_arbiter.core.model import (
     StoppedHolder,
     blocks_token,
     human_time,
+    operation_claimant,
 )
 from charly_arbiter.core.planner import Policy, Switch, decide_claim, home_map, unaccounted
 from charly_arbiter.errors import ClaimRefused, TokenPoisoned, TokenUnaccounted
@@ -735,3 +736,53 @@ def test_every_vgpu_state_obeys_the_rules(type_wanted, driver, files, current, e
         assert [(s.address, s.to_driver) for s in plan.switches] == [(GVF, f"vgpu:{wanted}")]
     elif mode is Mode.EXCLUSIVE and driver != VFIO:
         assert [(s.address, s.to_driver) for s in plan.switches] == [(GVF, VFIO)]
+
+
+# -- an exclusive claim that leaves the GPU on its driver (the arbiter's MIG change) -----
+
+
+@pytest.mark.parametrize("existing", sorted(EXISTING))
+@pytest.mark.parametrize("holders", sorted(HOLDER_KINDS))
+@pytest.mark.parametrize("drivers", sorted(DRIVERS))
+@pytest.mark.parametrize("home", sorted(HOMES))
+def test_every_state_obeys_the_rules_of_a_claim_in_place(existing, holders, drivers, home):
+    """Exhaustive as above, for `in_place`: refused exactly when an exclusive claim is,
+    or when a function is on vfio-pci (it is done on the GPU's own driver); granted, it
+    stops every running holder and every shared claimant, as an exclusive claim does,
+    and switches nothing."""
+    state = EMPTY.with_home("gpu0", HOMES[home])
+    for item in EXISTING[existing]:
+        state = state.with_lease(item)
+    spec = token(drivers=DRIVERS[drivers])
+    running = [h for h in HOLDER_KINDS[holders] if h.running]
+    blocking = [item for item in state.leases if blocks_token(item, "gpu0")]
+    on_vfio = any(f.driver == VFIO for f in spec.functions)
+    reasons = set()
+    if any(
+        set(COVERAGE[name]) & {GPU0, AUDIO0}
+        for item in state.leases
+        for name in item.tokens
+        if name != "gpu0" and blocks_token(item, name)
+    ):
+        reasons.add("overlap")
+    if any(item.mode is Mode.EXCLUSIVE for item in blocking):
+        reasons.add("held exclusively")
+    if any(not h.preemptible for h in running):
+        reasons.add("not preemptible")
+    if any(item.state is not LeaseState.ACTIVE for item in blocking):
+        reasons.add("in progress")
+    if on_vfio:
+        reasons.add("on vfio-pci")  # unaccounted, held, or bound there: not its driver
+    ours = operation_claimant("mig", "gpu0")
+    try:
+        plan = decide_claim(
+            state, ours, Mode.EXCLUSIVE, [spec], HOLDER_KINDS[holders], NONE,
+            coverage=COVERAGE, in_place=True,
+        )  # fmt: skip
+    except ClaimRefused as refused:
+        assert refused.exit_code == 3 and reasons, (existing, holders, drivers, home, refused)
+        return
+    assert not reasons, (existing, holders, drivers, home, reasons)
+    assert plan.switches == ()
+    assert {step.holder for step in plan.stops} >= {h.ref for h in running}
+    assert set(plan.preempted_leases) == {item.claimant for item in blocking}
