@@ -167,15 +167,17 @@ class TokenCatalogue:
         GPU) as its GPU's token, once the GPU has that instance now: a container using
         an instance uses the GPU, on its driver, beside the others (shared only)."""
         found = []
+        known = self.all()
         for name in names:
-            parent, colon, index = name.partition(":")
-            if not colon:
+            # (a token named after its address, without a configuration, has colons too)
+            parent, colon, index = name.rpartition(":")
+            if name in known or not colon or not index.isdigit() or parent not in known:
                 found.append(name)
                 continue
             [spec] = self.resolve([parent])
             if mode is not Mode.SHARED:
                 raise MigInvalid(name, "a MIG instance is claimed shared (it is a use of the GPU)")
-            state = self.host.mig(spec) if index.isdigit() else None
+            state = self.host.mig(spec)
             if state is None or state.instance(int(index)) is None:
                 have = (
                     ", ".join(f"{parent}:{i.index} ({i.profile})" for i in state.instances)
