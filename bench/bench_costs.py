@@ -191,8 +191,8 @@ def cli_rows(setup: Setup, runs: int) -> dict[str, float | str]:
 
 
 def virsh_rows(runs: int) -> dict[str, float | str]:
-    sys.path.insert(0, str(REPO / "tests"))  # the libvirt fixtures import tests' helpers
-    from tests.libvirt.conftest import Unavailable, libvirt_environment, why_not
+    sys.path.insert(0, str(REPO / "tests"))  # the libvirt test bed imports tests' helpers
+    from tests.libvirt.libvirtd import Unavailable, libvirt_environment, why_not
 
     reason = why_not()
     if reason:

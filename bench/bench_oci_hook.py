@@ -62,7 +62,7 @@ class Setup:
     """A simulated host with a GPU node, a launcher, the hook script and three bundles."""
 
     def __init__(self, root: Path, python: str) -> None:
-        from tests.containers.conftest import free_devices
+        from tests.oci.podman import free_devices
 
         self.root = root
         os.chmod(root, 0o700)
@@ -151,7 +151,7 @@ def hook_rows(setup: Setup, runs: int) -> dict[str, float | str]:
 
 
 def podman_rows(setup: Setup, runs: int) -> dict[str, float | str]:
-    from tests.containers.conftest import PROGRAMS, RUN_OPTIONS, why_not
+    from tests.oci.podman import PROGRAMS, RUN_OPTIONS, why_not
 
     reason = why_not()
     label = "podman run --rm, no device: with the hook / without"

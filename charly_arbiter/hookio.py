@@ -1,16 +1,22 @@
-"""What a hook may say, and where: the one voice of the libvirt and the OCI hook.
+"""What a hook may say, and where: the one voice of the libvirt, OCI and Proxmox hooks.
 
 A hook's stdout belongs to its caller (libvirt reads it as the hook's answer,
 a runtime may too), so nothing may ever reach it; the hook's refusal is one or
-two sentences on stderr, which libvirt and Podman show as the failed start's
-cause.  Imported on the hooks' fast paths: `os` and `sys` only, which is also
-why the configuration is scanned here as bytes, never parsed.
+two sentences on stderr, which libvirt, Podman and Proxmox show as the failed
+start's cause.  `guarded` is the boundary every hook's main() runs its work
+behind: one sentence, and the exit code of the contract.  Imported on the hooks'
+fast paths: `os` and `sys` only, which is also why the configuration is scanned
+here as bytes, never parsed.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+
+TYPE_CHECKING = False  # not typing's: the fast path imports no `typing` at run time
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 DEFAULT_CONFIG = "/etc/charly-arbiter/arbiter.toml"  # core/config's, without importing it
 
@@ -22,6 +28,31 @@ def stdout_to_stderr() -> None:
     except OSError:
         os.close(1)
     sys.stdout = sys.stderr
+
+
+def guarded(work: Callable[[], int], *, what: str, lets_go: Callable[[], bool]) -> int:
+    """`work()`'s exit code; whatever it raises becomes one sentence on stderr and an
+    exit code: an `ArbiterError`'s own (1 failed, 2 usage, 3 refused), 1 for anything
+    else ("internal error in WHAT", a traceback with CHARLY_ARBITER_DEBUG set), and 0
+    whenever `lets_go()` says the caller must go on (a stop is never held back: libvirt,
+    the runtime and Proxmox go on only on 0).  Nothing of it reaches stdout."""
+    stdout_to_stderr()
+    try:
+        return work()
+    except Exception as error:  # the boundary: one sentence, and the right exit code
+        from charly_arbiter.errors import ArbiterError
+
+        code = 1
+        if isinstance(error, ArbiterError):
+            say(str(error), error.hint)
+            code = error.exit_code
+        else:
+            if os.environ.get("CHARLY_ARBITER_DEBUG"):
+                import traceback
+
+                traceback.print_exc()
+            say(f"internal error in {what}: {error!r}", None)
+        return 0 if lets_go() else code
 
 
 def say(message: str, hint: str | None) -> None:

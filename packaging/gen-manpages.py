@@ -109,8 +109,8 @@ FILES_OF: dict[str, list[tuple[str, str]]] = {
         ("/etc/charly-arbiter/attached.d/UNIT.toml", "w: the unit as a holder"),
     ],
     "detach": [CONFIG, LEDGER_R, UNITS, ("/etc/charly-arbiter/attached.d/UNIT.toml", "w: removed")],
-    "adopt": [CONFIG, LEDGER_W, HISTORY_W, SYSFS_R],
-    "send-home": CLAIMING,
+    "adopt": [CONFIG, LEDGER_W, HISTORY_R, HISTORY_W, SYSFS_R],
+    "send-home": [*CLAIMING, HISTORY_R],
     "mig": [CONFIG, LEDGER_W, HISTORY_W, PROC, ("/dev/nvidia*", "r, w: NVML's (libnvidia-ml)")],
     "vfs": [
         CONFIG,
@@ -188,11 +188,11 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     ],
     "detach": [("charly-arbiter detach ollama.service", "remove its drop-in and holder record")],
     "adopt": [
-        ("charly-arbiter adopt gpu0 libvirt:win11", "the VM that uses it holds it exclusively"),
-        ("charly-arbiter adopt --admin gpu0", "it is on vfio-pci on purpose (bound at boot)"),
+        ("charly-arbiter adopt gpu0 libvirt:win11", "win11, which runs with gpu0, holds it"),
+        ("charly-arbiter adopt --admin gpu0", "gpu0 was bound to vfio-pci at boot, on purpose"),
     ],
     "send-home": [
-        ("charly-arbiter send-home gpu0", "back to its driver, with what was stopped for it"),
+        ("charly-arbiter send-home gpu0", "gpu0 goes home, and what was stopped for it comes back")
     ],
     "mig": [
         ("charly-arbiter mig gpu0", "its MIG mode and instances, each a sub-token gpu0:N"),
@@ -359,6 +359,27 @@ def hooks_exit_status() -> list[str]:
     return lines
 
 
+def detached_section() -> list[str]:
+    """The verbs the hooks start (not in --help: no person runs them), for whoever
+    meets them in `ps` or the log."""
+    lines = [
+        ".SH PROCESSES THE HOOKS START",
+        ".PP",
+        roff(
+            f"A hook that must not keep its caller waiting starts `{PROGRAM} _finish-release` "
+            "(the rest of a release that brings holders back) or, for a Proxmox VM's start, "
+            f"`{PROGRAM} _watch-start` (a start that fails after pre-start gets no post-stop) "
+            "as a process of its own, with one argument, the hook's hand-off as JSON, its "
+            "output on /dev/null and its steps in the log. They are not meant to be run by hand."
+        ),
+    ]
+    for verb in exits.DETACHED:
+        lines += [".SS", roff(f"{PROGRAM} {verb}")]
+        for row in exits.rows(verb):
+            lines += [".TP", f"\\fB{row.code}\\fR ({exits.MEANING[row.code]})", roff(row.when)]
+    return lines
+
+
 def main_page_extra() -> list[str]:
     lines = [
         ".SH LIBVIRT HOOK",
@@ -372,6 +393,7 @@ def main_page_extra() -> list[str]:
         ),
     ]
     lines += hooks_exit_status()
+    lines += detached_section()
     lines.append(".SH ENVIRONMENT")
     for variable, what in ENVIRONMENT:
         lines += [".TP", f"\\fB{variable}\\fR", roff(what)]

@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 # One GPU with its audio function (gpu0), a second GPU alone (gpu1), and holders.
 DEFAULT_HOST = default_host()
 
-DEFAULT_CONFIG = """
+# A simulated host's arbiter.toml (`{sim}`, `{state}` filled in by make_sim): timeouts
+# short enough for a test, a claimant judged at once; `sim_config` adds the tokens.
+SIM_CONFIG = """
 host = "sim:{sim}"
 state_dir = "{state}"
 
@@ -33,13 +35,37 @@ state_dir = "{state}"
 lock_wait = 20
 driver_switch = 2
 claim_grace = 0.001
-
-[tokens.gpu0]
-address = "0000:0a:00.0"
-
-[tokens.gpu1]
-address = "0000:0b:00.0"
 """
+
+
+def sim_config(**tokens: str) -> str:
+    """SIM_CONFIG with a `[tokens.NAME]` of each address."""
+    return SIM_CONFIG + "".join(
+        f'\n[tokens.{name}]\naddress = "{address}"\n' for name, address in tokens.items()
+    )
+
+
+DEFAULT_CONFIG = sim_config(gpu0="0000:0a:00.0", gpu1="0000:0b:00.0")
+
+
+def run_cli(
+    args: Sequence[str], env: dict[str, str], *, check: bool = False, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """The real `charly-arbiter` CLI as a process of its own, from the checkout; with
+    `check`, a failure is the test's, with its stderr."""
+    result = subprocess.run(
+        [sys.executable, "-m", "charly_arbiter", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=REPO,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"charly-arbiter {' '.join(args)} exited {result.returncode}:\n{result.stderr}"
+        )
+    return result
 
 
 @dataclass
@@ -65,19 +91,7 @@ class SimEnv:
         timeout: float = 60,
     ) -> subprocess.CompletedProcess[str]:
         """Run the real `charly-arbiter` CLI as its own process."""
-        result = subprocess.run(
-            [sys.executable, "-m", "charly_arbiter", *args],
-            capture_output=True,
-            text=True,
-            env=env or self.env(),
-            timeout=timeout,
-            cwd=REPO,
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(
-                f"charly-arbiter {' '.join(args)} exited {result.returncode}:\n{result.stderr}"
-            )
-        return result
+        return run_cli(args, env or self.env(), check=check, timeout=timeout)
 
     def status(self) -> dict[str, Any]:
         result = self.cli("status", "--json")

@@ -1,9 +1,9 @@
 """The layers of docs/architecture.md, checked on the code's own imports.
 
-Arrows run one way: cli -> libvirt / oci / proxmox / ops / compose -> host -> core (errors
-and logsetup at the bottom).  Every import counts, at module level or inside a
-function or an `if TYPE_CHECKING:` block: a lazy import is still a dependency.
-No module may take part in an import circle.
+Arrows run one way: cli -> libvirt / oci / proxmox -> hooksession -> ops / compose
+-> host -> core (errors, logsetup and hookio at the bottom).  Every import counts, at
+module level or inside a function or an `if TYPE_CHECKING:` block: a lazy import is
+still a dependency.  No module may take part in an import circle.
 """
 
 from __future__ import annotations
@@ -19,15 +19,17 @@ ALLOWED = {
     "core": {"core", *BOTTOM},
     "host": {"core", "host", *BOTTOM},
     "ops": {"core", "host", "ops", *BOTTOM},
-    "libvirt": {"core", "host", "ops", "libvirt", "compose", *BOTTOM},
-    "oci": {"core", "host", "ops", "oci", "compose", *BOTTOM},
-    "proxmox": {"core", "host", "ops", "proxmox", "compose", *BOTTOM},
+    "libvirt": {"core", "host", "ops", "libvirt", "compose", "hooksession", *BOTTOM},
+    "oci": {"core", "host", "ops", "oci", "compose", "hooksession", *BOTTOM},
+    "proxmox": {"core", "host", "ops", "proxmox", "compose", "hooksession", *BOTTOM},
     "compose": {"core", "host", "ops", "libvirt", "proxmox", *BOTTOM},
-    "cli": {"core", "host", "ops", "libvirt", "oci", "proxmox", "compose", "cli", *BOTTOM},
+    "hooksession": {"core", "host", "ops", "compose", *BOTTOM},
+    "cli": {"core", "host", "ops", "libvirt", "oci", "proxmox", "compose", "hooksession", "cli"}
+    | BOTTOM,
     "main": {"cli", *BOTTOM},
     "errors": {"errors"},
     "logsetup": {"logsetup"},
-    "hookio": {"hookio"},
+    "hookio": {"hookio", "errors"},
     "root": set(),
 }
 

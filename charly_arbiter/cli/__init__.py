@@ -5,7 +5,9 @@ hooks bypass click entirely: the libvirt hook (`charly-arbiter hook qemu …`)
 runs on every VM start and stop, the OCI hook (`charly-arbiter hook oci`) on
 every container's, the Proxmox hookscript (`charly-arbiter hook proxmox`) on
 every start and stop of the VMs it is attached to, and their paths must import
-almost nothing.
+almost nothing.  The verbs a hook starts as a detached process of its own
+(`_finish-release`, `_watch-start`: cli/detached.py) bypass it too, and are not
+listed in --help.
 
 Errors are turned into one or two sentences on stderr here, at one boundary;
 a traceback only with `-v`.
@@ -56,6 +58,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
         from charly_arbiter.oci.inject import main as inject_main
 
         sys.exit(inject_main(args[2:]))
+    if args[:1] and args[0].startswith("_"):
+        from charly_arbiter.cli.detached import main as detached_main
+
+        sys.exit(detached_main(args))
     if args[:1] == ["hook"]:
         from charly_arbiter.libvirt.hook import main as hook_main
 

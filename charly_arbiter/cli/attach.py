@@ -27,11 +27,11 @@ from charly_arbiter.core.config import (
     attached_text,
     sim_directory,
 )
-from charly_arbiter.core.model import KINDS, Claimant, Mode
+from charly_arbiter.core.model import KINDS, Claimant, HolderKind, Mode
 from charly_arbiter.errors import Refused
 from charly_arbiter.host import units
 
-KIND = "systemd"
+KIND = HolderKind.SYSTEMD
 UNIT_DIR_HELP = (
     "Where systemd reads drop-ins (default /etc/systemd/system; DIR/units for a simulated host)."
 )
@@ -165,7 +165,7 @@ def _simulated_units(app: App) -> bool:
     """Whether this host's units are simulated (a `sim:DIR` without real systemd holders):
     then this machine's systemd is none of the command's business."""
     kinds = real_kinds(app.host())
-    return kinds is not None and "systemd" not in kinds
+    return kinds is not None and HolderKind.SYSTEMD not in kinds
 
 
 def _unit_dir(app: App) -> Path:

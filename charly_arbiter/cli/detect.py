@@ -18,9 +18,10 @@ def detect(app: App, as_json: bool, vm_memory: int) -> None:
     """List PCI functions, GPUs (NVML, KFD or sysfs) and whether VFIO passthrough can work."""
     from charly_arbiter.host.detect import detect as run_detect
     from charly_arbiter.host.detect import document, render
+    from charly_arbiter.host.draining import machine
     from charly_arbiter.host.local import LocalHost
 
-    host = app.host()
+    host = machine(app.host())
     if not isinstance(host, LocalHost):
         raise NeedsHost(
             "detect",

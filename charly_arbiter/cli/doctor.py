@@ -11,6 +11,7 @@ import click
 
 from charly_arbiter.cli.app import App, vm_memory_option
 from charly_arbiter.compose import real_kinds
+from charly_arbiter.core.model import HolderKind
 from charly_arbiter.libvirt.domains import reachable
 from charly_arbiter.ops.doctor import HOOK_PATH, Check, Level, run_checks, state_dir_check
 
@@ -45,7 +46,9 @@ def doctor(app: App, as_json: bool, vm_memory: int, hook_path: Path) -> None:
     arbiter = app.arbiter()
     more = [lambda: [state_dir_check(config.state_dir)]]
     kinds = real_kinds(arbiter.host)
-    if kinds is None or "libvirt" in kinds:  # a simulated host asks no libvirtd unless told
+    if (
+        kinds is None or HolderKind.LIBVIRT in kinds
+    ):  # a simulated host asks no libvirtd unless told
         more.append(lambda: [libvirt_check(config.libvirt_uri)])
     checks = run_checks(arbiter, vm_memory * 2**20, hook_path, more=more)
     if as_json:

@@ -320,15 +320,51 @@ TABLE: dict[str, tuple[Exit, ...]] = {
         Exit(EXIT_ERROR, "the bundle's config.json cannot be read or written"),
         Exit(EXIT_USAGE, "no bundle, or an argument that is not --hook=/PATH or --engine=NAME"),
     ),
+    # The verbs a hook starts as a process of its own (hooksession.DETACHED): not in
+    # --help, since no person runs them, but held to the same contract; their stderr
+    # is /dev/null when a hook starts them, so the log says what went wrong too.
+    "_finish-release": (
+        Exit(
+            EXIT_OK,
+            "the release a hook began went to its end, or there was nothing left of it (what "
+            "did not come back stays in the ledger for `restore`, and the log says so)",
+        ),
+        Exit(EXIT_ERROR, f"the ledger is corrupt; {_STATE}"),
+        Exit(
+            EXIT_USAGE,
+            "not one argument, or a hand-off that is not the JSON a hook writes (a field "
+            "missing or unknown, a relative path, a claimant its kind cannot have)",
+        ),
+        Exit(
+            EXIT_REFUSED,
+            "another live process carries the lease out, not the hook the hand-off names",
+        ),
+    ),
+    "_watch-start": (
+        Exit(
+            EXIT_OK,
+            "the VM's start was watched to its end: its lease released when the start never "
+            "reached post-start, else left alone (a VM lock that cannot be opened is logged)",
+        ),
+        Exit(EXIT_ERROR, f"the ledger is corrupt; {_STATE}"),
+        Exit(
+            EXIT_USAGE,
+            "not one argument, or a hand-off that is not the JSON a hook writes",
+        ),
+    ),
 }
 
 HOOKS = ("hook qemu", "hook oci", "hook oci-inject", "hook proxmox")
+# Started by the hooks, never by a person: hooksession.DETACHED (the same names).
+DETACHED = ("_finish-release", "_watch-start")
+# What has no options of click's (EVERY_COMMAND's usage row is not theirs).
+OWN_ARGV = HOOKS + DETACHED
 
 
 def rows(command: str) -> tuple[Exit, ...]:
     """The exits of `command` (its words after `charly-arbiter`), with those every
     command of the CLI shares: one row per code, in order."""
-    shared = () if command in HOOKS else EVERY_COMMAND
+    shared = () if command in OWN_ARGV else EVERY_COMMAND
     merged: dict[int, list[str]] = {}
     for row in (*TABLE[command], *shared):
         merged.setdefault(row.code, []).append(row.when)

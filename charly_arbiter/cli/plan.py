@@ -23,7 +23,7 @@ from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App, claim_mode, mode_options
 from charly_arbiter.compose import real_kinds
 from charly_arbiter.core.host import NO_DRIVER
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.model import Claimant, HolderKind
 from charly_arbiter.core.planner import ClaimPlan
 from charly_arbiter.core.release_planner import ComebackWay, End, HomeWay, ReleasePlan
 from charly_arbiter.errors import (
@@ -112,10 +112,10 @@ def plan(
 def _needs_libvirt(app: App, ref: Claimant) -> None:
     """A domain's definition comes from libvirt: a simulated host asks this machine's
     libvirtd only when its host.toml lists libvirt among its real holders."""
-    if ref.kind != "libvirt":
+    if ref.kind != HolderKind.LIBVIRT:
         return  # preview_start says what to give instead
     kinds = real_kinds(app.host())
-    if kinds is not None and "libvirt" not in kinds:
+    if kinds is not None and HolderKind.LIBVIRT not in kinds:
         raise NeedsHost(
             f"plan {ref}",
             f"libvirt, which holds the domain's definition, and {app.host().description} has none",

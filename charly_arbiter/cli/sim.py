@@ -12,6 +12,7 @@ from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App, needs_subcommand
 from charly_arbiter.core.model import Claimant
 from charly_arbiter.errors import NeedsHost, Refused, cli_command
+from charly_arbiter.host.draining import machine
 from charly_arbiter.host.sim import EXAMPLE, SimHost
 
 CONFIG_EXAMPLE = """\
@@ -78,7 +79,7 @@ def cli_command_env(directory: Path) -> str:
 
 
 def _sim(app: App) -> SimHost:
-    host = app.host()
+    host = machine(app.host())
     if not isinstance(host, SimHost):
         raise NeedsHost(
             "this command",

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.crashpoints import crashpoint
-from charly_arbiter.core.events import Events, drivers_label
+from charly_arbiter.core.events import EventKind, Events, drivers_label
 from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.liveness import claimant_liveness, claimant_runs, stranded_claimants
@@ -115,6 +115,7 @@ class Arbiter:
         events: Events | None = None,
         owner: ProcessRef | None = None,
         generation_floor: Callable[[], int] | None = None,
+        tokens: TokenCatalogue | None = None,
     ) -> None:
         self.config = config
         self.host = host
@@ -129,7 +130,8 @@ class Arbiter:
         # Written into in-progress leases; `restore` treats them as stranded
         # once this very process (pid and start time) is gone.
         self.owner = owner or host.current_process()
-        self.tokens = TokenCatalogue(config, host)
+        # (a hook may have read them already, from the PCI side alone)
+        self.tokens = tokens or TokenCatalogue(config, host)
         self.switching = Switching(host, ledger, self.events)
 
     def releaser(self) -> Releaser:
@@ -220,7 +222,7 @@ class Arbiter:
         switches nothing.
         """
         ref = Claimant.parse(claimant)
-        token_names = self.tokens.parent_names(token_names, mode)
+        token_names = self.tokens.parent_names(token_names, mode, self.host.mig)
         limit = self.config.timeouts.claim_wait if wait is None else wait
         deadline = time.monotonic() + limit
         tokens = self.tokens.reread(token_names)
@@ -231,9 +233,12 @@ class Arbiter:
             except ClaimRefused as refusal:
                 if not refusal.retry or time.monotonic() >= deadline:
                     if isinstance(refusal, TokenUnaccounted):
-                        self.events.emit("mismatch", token=refusal.token, found=refusal.why)
+                        self.events.emit(EventKind.MISMATCH, token=refusal.token, found=refusal.why)
                     self.events.emit(
-                        "refused", claimant=ref, token=",".join(token_names), why=str(refusal)
+                        EventKind.REFUSED,
+                        claimant=ref,
+                        token=",".join(token_names),
+                        why=str(refusal),
                     )
                     raise
                 log.info("%s: %s; waiting", ref, refusal.why)
@@ -284,7 +289,9 @@ class Arbiter:
                     txn.state = txn.state.with_lease(replace(own, created=now()))
                 return plan
             txn.state = self._intent_unlocked(txn.state, plan, boot_id)
-        self.events.emit("claim", claimant=claimant, token=",".join(plan.tokens), mode=str(mode))
+        self.events.emit(
+            EventKind.CLAIM, claimant=claimant, token=",".join(plan.tokens), mode=str(mode)
+        )
         crashpoint("acquire.intent")
         try:
             self._stop_holders(claimant, plan)
@@ -294,7 +301,7 @@ class Arbiter:
             # arbiter's own errors: a holder must never stay stopped for nothing.
             log.error("%s: claim failed, undoing it: %s", claimant, error)
             self.events.emit(
-                "failed", claimant=claimant, token=",".join(plan.tokens), why=str(error)
+                EventKind.FAILED, claimant=claimant, token=",".join(plan.tokens), why=str(error)
             )
             try:
                 self.releaser().finish(claimant, success=False, reason=str(error))
@@ -314,7 +321,9 @@ class Arbiter:
                 txn.state = txn.state.with_lease(
                     replace(lease, state=LeaseState.ACTIVE, created=now()).owned_by(owner)
                 )
-        self.events.emit("active", claimant=claimant, token=",".join(plan.tokens), mode=str(mode))
+        self.events.emit(
+            EventKind.ACTIVE, claimant=claimant, token=",".join(plan.tokens), mode=str(mode)
+        )
         crashpoint("acquire.active")
         return plan
 
@@ -360,13 +369,17 @@ class Arbiter:
 
     def _stop_holders(self, claimant: Claimant, plan: ClaimPlan) -> None:
         for step in plan.stops:
-            self.events.emit("stopping", claimant=claimant, holder=step.holder, how=step.how)
+            self.events.emit(
+                EventKind.STOPPING, claimant=claimant, holder=step.holder, how=step.how
+            )
             crashpoint("acquire.stop")
             if self.host.is_running(step.holder):
                 log.info("%s: stopping %s (%s)", claimant, step.holder, step.how)
                 self.host.stop(step.holder)
             self._record_stop(claimant, step.holder, StepState.DONE)
-            self.events.emit("preempted", claimant=claimant, holder=step.holder, how=step.how)
+            self.events.emit(
+                EventKind.PREEMPTED, claimant=claimant, holder=step.holder, how=step.how
+            )
 
     def _record_stop(self, claimant: Claimant, holder: Claimant, step: StepState) -> None:
         with self.ledger.transaction() as txn:
@@ -381,7 +394,7 @@ class Arbiter:
         for token in plan.switched_tokens:
             targets = {s.address: s.to_driver for s in plan.switches if s.token == token}
             self.events.emit(
-                "switching", claimant=claimant, token=token, driver=drivers_label(targets)
+                EventKind.SWITCHING, claimant=claimant, token=token, driver=drivers_label(targets)
             )
             crashpoint("acquire.switch")
             self.switching.switch(by_name[token], targets, claimant)
@@ -451,7 +464,7 @@ class Arbiter:
         self.refuse_contradictions([token for lease in leases for token in lease.tokens])
         releaser = self.releaser()
         for claimant in targets:
-            self.events.emit("restore", claimant=claimant)
+            self.events.emit(EventKind.RESTORE, claimant=claimant)
             releaser.finish(claimant, success=False, reason="restored")
         return targets
 
@@ -587,7 +600,7 @@ class Arbiter:
         if recorded > state.generation:
             found = rollback_found(state.generation, recorded)
             if record:
-                self.events.emit("mismatch", found=found)
+                self.events.emit(EventKind.MISMATCH, found=found)
             raise LedgerContradicted(
                 "",
                 found,
@@ -611,7 +624,7 @@ class Arbiter:
                     f"{', '.join(lost)} on vfio-pci, and no lease or poison in the ledger "
                     "accounts for it"
                 )
-                self.events.emit("mismatch", token=spec.name, found=found)
+                self.events.emit(EventKind.MISMATCH, token=spec.name, found=found)
                 raise LedgerContradicted(spec.name, found, unaccounted_hint(spec.name))
 
     def clear_poison(self, token: str) -> bool:
@@ -622,7 +635,7 @@ class Arbiter:
             if txn.state.poison_of(token) is None:
                 return False
             txn.state = txn.state.with_poison(token, None)
-        self.events.emit("poison-cleared", token=token)
+        self.events.emit(EventKind.POISON_CLEARED, token=token)
         return True
 
 

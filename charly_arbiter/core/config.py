@@ -21,12 +21,15 @@ import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.model import Claimant, ConsolePolicy, HolderKind, Preemption, ProcessPolicy
 from charly_arbiter.core.pci import parse_address
 from charly_arbiter.errors import ArbiterError, ConfigError, cli_command
+
+C = TypeVar("C", bound=StrEnum)
 
 DEFAULT_CONFIG = Path("/etc/charly-arbiter/arbiter.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/charly-arbiter")
@@ -35,12 +38,8 @@ ENV_CONFIG = "CHARLY_ARBITER_CONFIG"
 ENV_STATE_DIR = "CHARLY_ARBITER_STATE_DIR"
 ENV_HOST = "CHARLY_ARBITER_HOST"
 
-PROCESS_POLICIES = ("refuse", "terminate")
-PREEMPTION_POLICIES = ("stop", "refuse")
-# A GPU that drives the host's console or display: refuse to take it, or take the
-# console off it (and give it back when the GPU comes home).
-CONSOLE_POLICIES = ("refuse", "release")
-HOLDER_KINDS = ("systemd", "container", "libvirt")
+# The kinds a `[[holders]]` entry may have (the others find their holders themselves).
+LISTED_KINDS = (HolderKind.SYSTEMD, HolderKind.CONTAINER, HolderKind.LIBVIRT)
 # `charly-arbiter attach` records each unit it attached in a file of its own here,
 # beside arbiter.toml; they are read as holders too.
 ATTACHED_DIR = "attached.d"
@@ -89,7 +88,7 @@ class TokenConfig:
     address: str
     home_driver: str | None = None
     cdi: bool = True
-    console: str | None = None  # None: the top-level `console`
+    console: ConsolePolicy | None = None  # None: the top-level `console`
     # CDI device names (`nvidia.com/gpu=0`) that stand for this token in a
     # container's annotations (the OCI hook claims the token for them).
     cdi_devices: tuple[str, ...] = ()
@@ -146,7 +145,7 @@ class ProxmoxConfig:
     qm: str = "/usr/sbin/qm"
     pct: str = "/usr/sbin/pct"
     node: str = ""  # "": this host's name, as Proxmox's nodename() takes it
-    preemption: str = "stop"  # "refuse": a VM's start never stops another VM
+    preemption: Preemption = Preemption.STOP
 
     @property
     def node_name(self) -> str:
@@ -163,9 +162,9 @@ class Config:
     state_dir: Path = DEFAULT_STATE_DIR
     host: str = "local"
     libvirt_uri: str = DEFAULT_LIBVIRT_URI
-    libvirt_preemption: str = "stop"
-    process_policy: str = "refuse"
-    console: str = "refuse"
+    libvirt_preemption: Preemption = Preemption.STOP
+    process_policy: ProcessPolicy = ProcessPolicy.REFUSE
+    console: ConsolePolicy = ConsolePolicy.REFUSE
     hook_log: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     tokens: tuple[TokenConfig, ...] = ()
@@ -322,9 +321,9 @@ def _parse(path: Path, table: dict[str, Any]) -> Config:
         state_dir=Path(reader.get(table, "state_dir", str, str(defaults.state_dir))),
         host=reader.get(table, "host", str, defaults.host),
         libvirt_uri=reader.text(table, "libvirt_uri", defaults.libvirt_uri),
-        libvirt_preemption=reader.choice(table, "libvirt_preemption", PREEMPTION_POLICIES),
-        process_policy=reader.choice(table, "device_holder_policy", PROCESS_POLICIES),
-        console=reader.choice(table, "console", CONSOLE_POLICIES),
+        libvirt_preemption=reader.choice(table, "libvirt_preemption", Preemption),
+        process_policy=reader.choice(table, "device_holder_policy", ProcessPolicy),
+        console=reader.choice(table, "console", ConsolePolicy),
         hook_log=Path(hook_log) if hook_log else None,
         timeouts=timeouts,
         tokens=tokens,
@@ -352,7 +351,7 @@ def _parse_proxmox(reader: _Reader, table: dict[str, Any]) -> ProxmoxConfig:
         qm=paths["qm"],
         pct=paths["pct"],
         node=node,
-        preemption=reader.choice(table, "preemption", PREEMPTION_POLICIES, "proxmox.preemption"),
+        preemption=reader.choice(table, "preemption", Preemption, "proxmox.preemption"),
     )
 
 
@@ -405,7 +404,7 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
         address=address,
         home_driver=home_driver,
         cdi=reader.get(spec, "cdi", bool, True, f"{key}.cdi"),
-        console=reader.choice(spec, "console", CONSOLE_POLICIES, f"{key}.console")
+        console=reader.choice(spec, "console", ConsolePolicy, f"{key}.console")
         if "console" in spec
         else None,
         cdi_devices=tuple(cdi_devices),
@@ -428,9 +427,9 @@ def _parse_holder(
         raise ConfigError(reader.path, key or None, "expected a table")
     reader.no_unknown_keys(spec, HOLDER_KEYS | (ATTACHED_KEYS if attached else set()), prefix)
     kind = reader.get(spec, "kind", str, "", f"{prefix}kind")
-    if kind not in HOLDER_KINDS:
+    if kind not in LISTED_KINDS:
         raise ConfigError(
-            reader.path, f"{prefix}kind", f"expected one of {', '.join(HOLDER_KINDS)}"
+            reader.path, f"{prefix}kind", f"expected one of {', '.join(LISTED_KINDS)}"
         )
     name = reader.get(spec, "name", str, "", f"{prefix}name")
     try:
@@ -446,8 +445,8 @@ def _parse_holder(
                 reader.path, f"{prefix}tokens", f"{token!r} is not a configured token"
             )
     stop = reader.get(spec, "stop", str, "stop", f"{prefix}stop")
-    allowed = ("shutdown", "managedsave") if kind == "libvirt" else ("stop", "drain")
-    if stop == "stop" and kind == "libvirt":
+    allowed = ("shutdown", "managedsave") if kind == HolderKind.LIBVIRT else ("stop", "drain")
+    if stop == "stop" and kind == HolderKind.LIBVIRT:
         stop = "shutdown"
     if stop not in allowed:
         raise ConfigError(reader.path, f"{prefix}stop", f"expected one of {', '.join(allowed)}")
@@ -608,13 +607,13 @@ class _Reader:
             )
         return tuple(value)
 
-    def choice(
-        self, table: dict[str, Any], name: str, choices: tuple[str, ...], key: str = ""
-    ) -> str:
-        value = table.get(name, choices[0])
-        if value not in choices:
-            raise ConfigError(self.path, key or name, f"expected one of {', '.join(choices)}")
-        return str(value)
+    def choice(self, table: dict[str, Any], name: str, choices: type[C], key: str = "") -> C:
+        """One of the enum's values (its first when the key is not set)."""
+        values = list(choices)
+        value = table.get(name, values[0])
+        if value not in values:
+            raise ConfigError(self.path, key or name, f"expected one of {', '.join(values)}")
+        return choices(value)
 
     def no_unknown_keys(self, table: dict[str, Any], known: set[str], prefix: str) -> None:
         for name in table:

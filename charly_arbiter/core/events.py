@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from enum import StrEnum
 from typing import Any
 
 from charly_arbiter.core.model import HOME, target_label
@@ -20,12 +21,42 @@ log = logging.getLogger("charly_arbiter.core.events")
 
 Sink = Callable[[str, dict[str, Any]], None]
 
+
+class EventKind(StrEnum):
+    """Every kind of event.  The values are what the history file, the journal
+    (CHARLY_EVENT), metrics, alert rules and the Cockpit page read: never change one."""
+
+    CLAIM = "claim"
+    REFUSED = "refused"
+    STOPPING = "stopping"
+    PREEMPTED = "preempted"
+    SWITCHING = "switching"
+    SWITCHED = "switched"
+    ACTIVE = "active"
+    POISONED = "poisoned"
+    RELEASE = "release"
+    FAILED = "failed"
+    RESTORE = "restore"
+    STARTING = "starting"
+    RESTORED = "restored"
+    RESTORE_FAILED = "restore-failed"
+    POISON_CLEARED = "poison-cleared"
+    MISMATCH = "mismatch"
+    ADOPTED = "adopted"
+    SEND_HOME = "send-home"
+    RECOVERED = "recovered"
+    MIG = "mig"
+    MIG_DONE = "mig-done"
+    VF_COUNT = "vf-count"
+    VF_COUNTED = "vf-counted"
+
+
 # Events that begin a step which may take long (a VM shutting down, a bind);
 # each is followed by a completion from the same process unless it died there.
-STEP_STARTS = frozenset({"stopping", "switching", "starting"})
+STEP_STARTS = frozenset({EventKind.STOPPING, EventKind.SWITCHING, EventKind.STARTING})
 # Events an operator should notice (journal priority warning or error).
-WARNINGS = frozenset({"refused", "failed", "restore-failed"})
-ERRORS = frozenset({"poisoned"})
+WARNINGS = frozenset({EventKind.REFUSED, EventKind.FAILED, EventKind.RESTORE_FAILED})
+ERRORS = frozenset({EventKind.POISONED})
 
 
 class Events:
@@ -35,7 +66,7 @@ class Events:
         # the process saw last); a provider's None leaves its field out.
         self.context: dict[str, Callable[[], Any]] = {}
 
-    def emit(self, kind: str, **fields: Any) -> None:
+    def emit(self, kind: EventKind, **fields: Any) -> None:
         """Record one event; a failing sink is logged (one line; the traceback only
         at debug level) and never stops the caller."""
         for key, provide in self.context.items():
@@ -71,45 +102,51 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
     holder = get("holder", "?")
     why = get("why", "")
     sentences: dict[str, Callable[[], str]] = {
-        "claim": lambda: f"{claimant} claims {token} ({get('mode', '?')})",
-        "refused": lambda: f"{claimant} was refused {token}: {why}",
-        "stopping": lambda: f"{claimant}: stopping {holder} ({get('how', 'stop')})",
-        "preempted": lambda: f"{claimant}: stopped {holder} ({get('how', 'stop')})",
-        "switching": lambda: f"{claimant}: switching {token} {_towards(get('driver', '?'))}",
-        "switched": lambda: (
+        EventKind.CLAIM: lambda: f"{claimant} claims {token} ({get('mode', '?')})",
+        EventKind.REFUSED: lambda: f"{claimant} was refused {token}: {why}",
+        EventKind.STOPPING: lambda: f"{claimant}: stopping {holder} ({get('how', 'stop')})",
+        EventKind.PREEMPTED: lambda: f"{claimant}: stopped {holder} ({get('how', 'stop')})",
+        EventKind.SWITCHING: lambda: (
+            f"{claimant}: switching {token} {_towards(get('driver', '?'))}"
+        ),
+        EventKind.SWITCHED: lambda: (
             f"{token} is {_now_on(get('driver', '?'))} for {claimant} "
             f"(took {get('seconds', '?')} s)"
         ),
-        "active": lambda: f"{claimant} holds {token} ({get('mode', '?')})",
-        "poisoned": lambda: (
+        EventKind.ACTIVE: lambda: f"{claimant} holds {token} ({get('mode', '?')})",
+        EventKind.POISONED: lambda: (
             f"{token} is poisoned ({claimant}'s "
             + ("operation" if claimant.startswith("arbiter:") else "switch")
             + f" failed): {why}"
         ),
-        "mig": lambda: f"{token}: changing its MIG {get('change', '?')}, its holders stopped",
-        "mig-done": lambda: f"{token}: MIG {get('change', '?')} done, its holders back",
-        "vf-count": lambda: (
+        EventKind.MIG: lambda: (
+            f"{token}: changing its MIG {get('change', '?')}, its holders stopped"
+        ),
+        EventKind.MIG_DONE: lambda: f"{token}: MIG {get('change', '?')} done, its holders back",
+        EventKind.VF_COUNT: lambda: (
             f"{token}: changing its VF count from {get('before', '?')} to {get('count', '?')}"
         ),
-        "vf-counted": lambda: (
+        EventKind.VF_COUNTED: lambda: (
             f"{token} has {get('count', '?')} VFs now (took {get('seconds', '?')} s)"
         ),
-        "release": lambda: f"{claimant} releases its lease",
-        "failed": lambda: f"{claimant}'s claim failed and is undone: {why}",
-        "restore": lambda: f"restoring {claimant}",
-        "starting": lambda: f"{claimant}: starting {holder} again",
-        "restored": lambda: f"{claimant}: {holder} runs again",
-        "restore-failed": lambda: f"{claimant}: could not start {holder} again: {why}",
-        "poison-cleared": lambda: f"the poison of {token} was cleared",
-        "mismatch": lambda: (f"{get('token')}: " if get("token") else "") + get("found", "?"),
-        "adopted": lambda: (
+        EventKind.RELEASE: lambda: f"{claimant} releases its lease",
+        EventKind.FAILED: lambda: f"{claimant}'s claim failed and is undone: {why}",
+        EventKind.RESTORE: lambda: f"restoring {claimant}",
+        EventKind.STARTING: lambda: f"{claimant}: starting {holder} again",
+        EventKind.RESTORED: lambda: f"{claimant}: {holder} runs again",
+        EventKind.RESTORE_FAILED: lambda: f"{claimant}: could not start {holder} again: {why}",
+        EventKind.POISON_CLEARED: lambda: f"the poison of {token} was cleared",
+        EventKind.MISMATCH: lambda: (
+            (f"{get('token')}: " if get("token") else "") + get("found", "?")
+        ),
+        EventKind.ADOPTED: lambda: (
             f"{token} was adopted as bound to vfio-pci on purpose, by the administrator"
             if get("by") == "administrator"
             else f"{token} was adopted as held by {claimant} (exclusive)"
             + (f", which had stopped {get('stopped')}" if get("stopped") else "")
         ),
-        "send-home": lambda: f"{claimant}: sending {token} home, as an operator decided",
-        "recovered": lambda: (
+        EventKind.SEND_HOME: lambda: f"{claimant}: sending {token} home, as an operator decided",
+        EventKind.RECOVERED: lambda: (
             f"the ledger was recovered from {get('source', '?')}"
             + (f" (generation {get('generation')})" if get("generation") else "")
             + f": {why}"

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from charly_arbiter.core.model import Claimant, ProcessRef
+from charly_arbiter.core.model import Claimant, ConsolePolicy, ProcessRef
 from charly_arbiter.core.pci import slot_of, vf_address
 from charly_arbiter.errors import cli_command
 
@@ -200,7 +200,7 @@ class TokenSpec:
     functions: tuple[PciFunction, ...]
     home_driver: str | None = None  # from the configuration, when the operator set one
     cdi: bool = True
-    console: str = "refuse"  # a GPU driving the console: refuse, or "release" the console
+    console: ConsolePolicy = ConsolePolicy.REFUSE  # a GPU driving the console
     # A token configured on a virtual function, whose physical function's token (its
     # `sriov_offset` and `sriov_stride`) places it there: that PF's address.  Known
     # whether the VF exists now or not; its `functions` are empty while it does not.

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.crashpoints import crashpoint
+from charly_arbiter.core.events import EventKind
 from charly_arbiter.core.host import MigChange, MigState
 from charly_arbiter.core.model import Claimant, Mode, operation_claimant
 from charly_arbiter.errors import ArbiterError, MigInvalid, cli_command
@@ -59,7 +60,7 @@ def change_mig(arbiter: Arbiter, token_name: str, change: MigChange) -> MigDone:
         )
     ours = operation_claimant("mig", token_name)
     plan = arbiter.acquire(ours, Mode.EXCLUSIVE, [token_name], in_place=True)
-    arbiter.events.emit("mig", claimant=ours, token=token_name, change=str(change))
+    arbiter.events.emit(EventKind.MIG, claimant=ours, token=token_name, change=str(change))
     try:
         crashpoint("mig.change")
         [spec] = arbiter.tokens.reread([token_name])
@@ -71,5 +72,5 @@ def change_mig(arbiter: Arbiter, token_name: str, change: MigChange) -> MigDone:
             arbiter.release_claimant(ours, force=True)
         except ArbiterError as error:
             log.error("%s: bringing back what the MIG change stopped failed: %s", token_name, error)
-    arbiter.events.emit("mig-done", claimant=ours, token=token_name, change=str(change))
+    arbiter.events.emit(EventKind.MIG_DONE, claimant=ours, token=token_name, change=str(change))
     return MigDone(token_name, before, after, tuple(step.holder for step in plan.stops))

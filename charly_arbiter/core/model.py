@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 
+from charly_arbiter.core.pci import is_address
 from charly_arbiter.errors import InvalidClaimant
 
 VFIO = "vfio-pci"
@@ -34,7 +35,6 @@ _UNIT_MAX = 255  # bytes (UNIT_NAME_MAX is 256 with the terminating NUL)
 _UNIT_MAX_LONG = 4095  # device, mount and swap units are named after paths (PATH_MAX - 1)
 # Podman's and Docker's container names (their own check of a name given with --name).
 _CONTAINER = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*")
-_PCI = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 
 
 def _libvirt_problem(name: str) -> str | None:
@@ -80,7 +80,6 @@ def _process_problem(name: str) -> str | None:
 # VMID Proxmox gives them: 100 to 999999999, written without leading zeros
 # (pve-common's pve-vmid format), so that one guest has one claimant name.
 _VMID = re.compile(r"[1-9][0-9]{2,8}")
-VMID_KINDS = ("proxmox", "lxc")
 
 
 def _vmid_problem(name: str) -> str | None:
@@ -90,9 +89,23 @@ def _vmid_problem(name: str) -> str | None:
 
 
 def _persistence_problem(name: str) -> str | None:
-    if _PCI.fullmatch(name) is None:
+    if not is_address(name):
         return "an nvidia-persistence holder is named after its GPU's PCI address"
     return None
+
+
+class HolderKind(StrEnum):
+    """Every kind of claimant or holder (`KIND:NAME`).  The values are what the ledger,
+    the configuration, the events and every --json output spell: never change one."""
+
+    LIBVIRT = "libvirt"
+    SYSTEMD = "systemd"
+    CONTAINER = "container"
+    PROCESS = "process"
+    NVIDIA_PERSISTENCE = "nvidia-persistence"
+    PROXMOX = "proxmox"
+    LXC = "lxc"
+    ARBITER = "arbiter"
 
 
 # The arbiter's own operations on a GPU, each a claimant of kind `arbiter` named
@@ -114,23 +127,50 @@ def _arbiter_problem(name: str) -> str | None:
 
 def operation_claimant(operation: str, token: str) -> Claimant:
     """The claimant of the arbiter's own `operation` on `token` (`arbiter:vfs/gpu0`)."""
-    return Claimant.of("arbiter", f"{operation}/{token}")
+    return Claimant.of(HolderKind.ARBITER, f"{operation}/{token}")
 
 
-# Every kind of claimant or holder, and the rules of what it names (nvidia-persistence
-# is a holder the host finds by itself, never a claimant a person names; arbiter is
-# the arbiter's own operations).
+# The rules of what each kind names.
 KINDS = {
-    "libvirt": _libvirt_problem,
-    "systemd": _systemd_problem,
-    "container": _container_problem,
-    "process": _process_problem,
-    "nvidia-persistence": _persistence_problem,
-    "proxmox": _vmid_problem,
-    "lxc": _vmid_problem,
-    "arbiter": _arbiter_problem,
+    HolderKind.LIBVIRT: _libvirt_problem,
+    HolderKind.SYSTEMD: _systemd_problem,
+    HolderKind.CONTAINER: _container_problem,
+    HolderKind.PROCESS: _process_problem,
+    HolderKind.NVIDIA_PERSISTENCE: _persistence_problem,
+    HolderKind.PROXMOX: _vmid_problem,
+    HolderKind.LXC: _vmid_problem,
+    HolderKind.ARBITER: _arbiter_problem,
 }
-CLAIMANT_KINDS = ("libvirt", "systemd", "container", "process", "proxmox", "lxc")
+# nvidia-persistence is a holder the host finds by itself, never a claimant a person
+# names; arbiter is the arbiter's own operations, claimants no holder source is asked
+# of and no person names; every other kind is both (and a holder source answers for it).
+CLAIMANT_KINDS = tuple(
+    kind for kind in HolderKind if kind not in (HolderKind.NVIDIA_PERSISTENCE, HolderKind.ARBITER)
+)
+
+
+class ProcessPolicy(StrEnum):
+    """`device_holder_policy`: a process that holds a GPU's node refuses the claim, or
+    is terminated (SIGTERM, then SIGKILL)."""
+
+    REFUSE = "refuse"
+    TERMINATE = "terminate"
+
+
+class Preemption(StrEnum):
+    """`libvirt_preemption`, `[proxmox] preemption`: a VM's start may stop another VM
+    that holds its GPU, or is refused."""
+
+    STOP = "stop"
+    REFUSE = "refuse"
+
+
+class ConsolePolicy(StrEnum):
+    """`console`: a GPU that drives the host's console or display is refused, or the
+    console is taken off it (and given back when the GPU comes home)."""
+
+    REFUSE = "refuse"
+    RELEASE = "release"
 
 
 def target_label(driver: str) -> str:
@@ -152,16 +192,20 @@ def human_time(moment: str | datetime) -> str:
     doctor): local time to the second, `2026-11-29 15:26:44`.  Machine outputs
     (`--json`, the ledger) keep ISO 8601 with the offset.  A text that is not a
     time is shown as it is; a time without a zone is taken as UTC."""
+    when = as_time(moment)
+    if when is None:
+        return str(moment) or "an unknown time"
+    return when.astimezone().strftime(TIME_FORMAT)
+
+
+def as_time(moment: str | datetime) -> datetime | None:
+    """A time with its zone (UTC where it has none); None for a text that is not one."""
     if isinstance(moment, str):
         try:
-            when = datetime.fromisoformat(moment)
+            moment = datetime.fromisoformat(moment)
         except ValueError:
-            return moment or "an unknown time"
-    else:
-        when = moment
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
-    return when.astimezone().strftime(TIME_FORMAT)
+            return None
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
 class Mode(StrEnum):
@@ -229,11 +273,12 @@ class Claimant(str):
         kind, sep, name = str(text).partition(":")
         if not sep:
             raise InvalidClaimant(text, "write it as KIND:NAME, e.g. libvirt:win11")
-        rules = KINDS.get(kind)
-        if rules is None:
-            raise InvalidClaimant(text, f"the kind is one of {', '.join(CLAIMANT_KINDS)}")
+        try:
+            rules = KINDS[HolderKind(kind)]
+        except ValueError:
+            raise InvalidClaimant(text, f"the kind is one of {', '.join(CLAIMANT_KINDS)}") from None
         # (systemd's own bound is in bytes, and longer for units named after paths)
-        if not name or (kind != "systemd" and len(name) > _MAX_NAME):
+        if not name or (kind != HolderKind.SYSTEMD and len(name) > _MAX_NAME):
             raise InvalidClaimant(text, f"the name must have 1 to {_MAX_NAME} characters")
         if any(unicodedata.category(c) in _UNSHOWABLE for c in name):
             raise InvalidClaimant(text, "the name contains control characters")
@@ -247,8 +292,8 @@ class Claimant(str):
         return cls.parse(f"{kind}:{name}")
 
     @property
-    def kind(self) -> str:
-        return self.partition(":")[0]
+    def kind(self) -> HolderKind:
+        return HolderKind(self.partition(":")[0])
 
     @property
     def name(self) -> str:

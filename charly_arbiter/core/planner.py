@@ -15,6 +15,7 @@ from charly_arbiter.core.host import NO_DRIVER, Blocker, DeviceUser, Holder, Tok
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
+    HolderKind,
     Lease,
     LeaseState,
     LedgerState,
@@ -81,7 +82,7 @@ class ClaimPlan:
 class Policy:
     """What the configuration allows the planner to stop."""
 
-    refuse_kinds: frozenset[str] = frozenset()  # preemptible holders of these kinds still refuse
+    refuse_kinds: frozenset[HolderKind] = frozenset()  # preemptible ones of these still refuse
     refuse_hint: str = ""
 
 

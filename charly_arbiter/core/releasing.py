@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from charly_arbiter.core import release_planner as rules
 from charly_arbiter.core.crashpoints import crashpoint
-from charly_arbiter.core.events import Events, drivers_label
+from charly_arbiter.core.events import EventKind, Events, drivers_label
 from charly_arbiter.core.host import Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.liveness import claimant_runs
@@ -170,7 +170,9 @@ class Releaser:
             txn.state = rules.apply_intent(txn.state, plan)
         if announce:
             self.events.emit(
-                "release" if success else "failed", claimant=claimant, why=reason or "released"
+                EventKind.RELEASE if success else EventKind.FAILED,
+                claimant=claimant,
+                why=reason or "released",
             )
         crashpoint("release.intent")
         if plan.lease is not None and not only_intent:
@@ -210,7 +212,10 @@ class Releaser:
         elif step.way is HomeWay.SWITCH:
             targets = step.targets
             self.events.emit(
-                "switching", claimant=claimant, token=step.token, driver=drivers_label(targets)
+                EventKind.SWITCHING,
+                claimant=claimant,
+                token=step.token,
+                driver=drivers_label(targets),
             )
             crashpoint("release.switch")
             try:
@@ -244,7 +249,9 @@ class Releaser:
                 self._start(claimant, holder)
             except ArbiterError as error:
                 log.error("%s: could not restore %s: %s", claimant, holder, error)
-                self.events.emit("restore-failed", claimant=claimant, holder=holder, why=str(error))
+                self.events.emit(
+                    EventKind.RESTORE_FAILED, claimant=claimant, holder=holder, why=str(error)
+                )
                 with self.ledger.transaction() as txn:
                     txn.state = rules.apply_start_failed(txn.state, comeback)
                 continue
@@ -255,13 +262,13 @@ class Releaser:
         # running now was running when the claim was decided.
         if not self.host.is_running(holder):
             log.info("%s: starting %s again", claimant, holder)
-            self.events.emit("starting", claimant=claimant, holder=holder)
+            self.events.emit(EventKind.STARTING, claimant=claimant, holder=holder)
             self.host.start(holder)
             if not self.host.is_running(holder):
                 log.warning(
                     "%s: %s cannot be started again (a terminated process)", claimant, holder
                 )
-        self.events.emit("restored", claimant=claimant, holder=holder)
+        self.events.emit(EventKind.RESTORED, claimant=claimant, holder=holder)
 
     def _came_back(self, comeback: rules.Comeback) -> None:
         """Mark it restored and, for a preempted shared claimant, give its lease back

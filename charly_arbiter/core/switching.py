@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Mapping
 
-from charly_arbiter.core.events import Events, drivers_label
+from charly_arbiter.core.events import EventKind, Events, drivers_label
 from charly_arbiter.core.host import Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant, Poison, now
@@ -55,7 +55,7 @@ class Switching:
             )
             raise
         self.events.emit(
-            "switched",
+            EventKind.SWITCHED,
             token=token.name,
             claimant=claimant,
             driver=drivers_label(self._bound_now(token, targets)),
@@ -77,7 +77,7 @@ class Switching:
     def poison(self, token: str, reason: str, claimant: Claimant) -> None:
         with self.ledger.transaction() as txn:
             txn.state = txn.state.with_poison(token, Poison(reason, now()))
-        self.events.emit("poisoned", token=token, claimant=claimant, why=reason)
+        self.events.emit(EventKind.POISONED, token=token, claimant=claimant, why=reason)
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         """A CDI spec that cannot be refreshed is worth a warning, never a failed claim."""

@@ -22,12 +22,13 @@ the host together; `merged` says which (doctor shows it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from charly_arbiter.core.config import DEFAULT_CONFIG, Config
-from charly_arbiter.core.host import Host, PciFunction, TokenSpec
+from charly_arbiter.core.host import MigState, PciFunction, TokenSpec
 from charly_arbiter.core.model import Mode
 from charly_arbiter.errors import HostError, MigInvalid, TokensOverlap, UnknownToken, cli_command
 
@@ -63,6 +64,16 @@ def check_overlap(specs: Iterable[TokenSpec], config_path: Path) -> None:
         raise TokensOverlap(config_path, *found)
 
 
+class PciSource(Protocol):
+    """All the catalogue asks of a host: its GPUs, and a token's IOMMU group.  A Host
+    is one; so is the PCI side alone (host/local.LocalPci, a simulated host), which
+    is how a hook maps a domain's addresses to tokens without the whole host."""
+
+    def gpus(self) -> Sequence[PciFunction]: ...
+
+    def token_functions(self, name: str, address: str) -> Sequence[PciFunction]: ...
+
+
 def _with_physical_functions(
     specs: dict[str, TokenSpec], missing: Mapping[str, HostError]
 ) -> dict[str, TokenSpec]:
@@ -87,7 +98,7 @@ def _with_physical_functions(
 
 
 class TokenCatalogue:
-    def __init__(self, config: Config, host: Host) -> None:
+    def __init__(self, config: Config, host: PciSource) -> None:
         self.config = config
         self.host = host
         self._specs: dict[str, TokenSpec] | None = None
@@ -162,10 +173,14 @@ class TokenCatalogue:
             raise UnknownToken(missing[0], sorted(known))
         return [known[name] for name in dict.fromkeys(names)]
 
-    def parent_names(self, names: Sequence[str], mode: Mode) -> list[str]:
+    def parent_names(
+        self, names: Sequence[str], mode: Mode, mig: Callable[[TokenSpec], MigState | None]
+    ) -> list[str]:
         """The names with each MIG sub-token (`TOKEN:N`, the MIG instance N of TOKEN's
-        GPU) as its GPU's token, once the GPU has that instance now: a container using
-        an instance uses the GPU, on its driver, beside the others (shared only)."""
+        GPU) as its GPU's token, once the GPU has that instance now (`mig`, the host's
+        reading of a GPU's MIG state: the catalogue's PCI side alone has none): a
+        container using an instance uses the GPU, on its driver, beside the others
+        (shared only)."""
         found = []
         known = self.all()
         for name in names:
@@ -177,7 +192,7 @@ class TokenCatalogue:
             [spec] = self.resolve([parent])
             if mode is not Mode.SHARED:
                 raise MigInvalid(name, "a MIG instance is claimed shared (it is a use of the GPU)")
-            state = self.host.mig(spec)
+            state = mig(spec)
             if state is None or state.instance(int(index)) is None:
                 have = (
                     ", ".join(f"{parent}:{i.index} ({i.profile})" for i in state.instances)
@@ -240,7 +255,7 @@ def _addresses(spec: TokenSpec) -> frozenset[str]:
     return frozenset(f.address for f in spec.functions) | {spec.address}
 
 
-def vf_specs(host: Host, addresses: Iterable[str]) -> list[TokenSpec]:
+def vf_specs(host: PciSource, addresses: Iterable[str]) -> list[TokenSpec]:
     """Each virtual function at these addresses, as a token of its own named by its
     address (what a scan of device holders takes); one that does not exist is left out."""
     found = []

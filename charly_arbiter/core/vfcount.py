@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.crashpoints import crashpoint
+from charly_arbiter.core.events import EventKind
 from charly_arbiter.core.host import DeviceUser, TokenSpec
 from charly_arbiter.core.model import Poison, now, operation_claimant
 from charly_arbiter.core.tokens import vf_specs
@@ -77,7 +78,9 @@ def set_vf_count(arbiter: Arbiter, token_name: str, count: int) -> CountDone:
             txn.state = txn.state.with_lease(plan.lease)
     if plan is None:
         return CountDone(token_name, before, count)
-    arbiter.events.emit("vf-count", claimant=ours, token=token_name, count=count, before=before)
+    arbiter.events.emit(
+        EventKind.VF_COUNT, claimant=ours, token=token_name, count=count, before=before
+    )
     crashpoint("vfs.intent")
     seconds: list[float] = []
     try:
@@ -104,14 +107,14 @@ def set_vf_count(arbiter: Arbiter, token_name: str, count: int) -> CountDone:
         )
         with arbiter.ledger.transaction() as txn:
             txn.state = txn.state.without_lease(ours).with_poison(spec.name, Poison(reason, now()))
-        arbiter.events.emit("poisoned", token=spec.name, claimant=ours, why=reason)
+        arbiter.events.emit(EventKind.POISONED, token=spec.name, claimant=ours, why=reason)
         raise
     except BaseException:
         _end(arbiter, ours)
         raise
     _end(arbiter, ours)
     arbiter.events.emit(
-        "vf-counted", claimant=ours, token=token_name, count=count, seconds=sum(seconds)
+        EventKind.VF_COUNTED, claimant=ours, token=token_name, count=count, seconds=sum(seconds)
     )
     return CountDone(token_name, before, count, tuple(seconds))
 
@@ -150,7 +153,7 @@ def _poison(arbiter: Arbiter, spec: TokenSpec, address: str, hung: VfCountHung, 
     )
     with arbiter.ledger.transaction() as txn:
         txn.state = txn.state.without_lease(ours).with_poison(spec.name, Poison(reason, now()))
-    arbiter.events.emit("poisoned", token=spec.name, claimant=ours, why=reason)
+    arbiter.events.emit(EventKind.POISONED, token=spec.name, claimant=ours, why=reason)
     hung.hint = (
         f"{spec.name} is poisoned now: stop the holder of its VF's VFIO device"
         + (f" ({', '.join(f'pid {user.pid}' for user in holders)})" if holders else "")

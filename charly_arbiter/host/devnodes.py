@@ -15,18 +15,17 @@ must then not take it for "no GPU".
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from charly_arbiter.core.host import UNKNOWN_FUNCTION
+from charly_arbiter.core.pci import is_address
 from charly_arbiter.host.pcidata import nvidia_minor
 from charly_arbiter.host.procscan import DeviceNumber
 
 # /proc/devices names of the drivers whose nodes belong to one GPU each.
 GPU_MAJORS = {"drm": "drm", "nvidia": "nvidia", "nvidia-frontend": "nvidia"}
 NVIDIA_CONTROL_MINORS = (254, 255)  # nvidia-modeset and nvidiactl: every GPU's, no one's
-_PCI_ADDRESS = re.compile(r"[0-9a-f]{4,}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 
 
 def gpu_majors(proc_root: Path) -> dict[int, str]:
@@ -51,7 +50,7 @@ def sysfs_function(sys_root: Path, number: DeviceNumber) -> str | None:
         target = os.path.realpath(link, strict=True)
     except OSError:
         return None
-    addresses = [part for part in Path(target).parts if _PCI_ADDRESS.fullmatch(part)]
+    addresses = [part for part in Path(target).parts if is_address(part)]
     return addresses[-1] if addresses else None
 
 

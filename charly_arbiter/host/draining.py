@@ -18,6 +18,10 @@ server that answers, a model loaded again).
 
 Whether a holder is drained is a marker under the state directory, holding
 the boot id: after a reboot the holder runs as it was started, not drained.
+
+`Drained` is how a host gets them: one wrapper around whichever host the
+configuration names (local, simulated, simulated with real holders), applied
+where the host is composed (compose.open_host), so that no host wires them in.
 """
 
 from __future__ import annotations
@@ -25,14 +29,24 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from charly_arbiter.core import files
 from charly_arbiter.core.config import Config, HolderConfig
-from charly_arbiter.core.host import DeviceUser, Holder, PciFunction, TokenSpec
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.host import (
+    Blocker,
+    DeviceUser,
+    Holder,
+    Host,
+    MigChange,
+    MigState,
+    PciFunction,
+    TokenSpec,
+)
+from charly_arbiter.core.model import Claimant, ProcessRef
 from charly_arbiter.errors import CommandFailed, HolderError
 from charly_arbiter.host import run
 
@@ -182,6 +196,116 @@ class Drains:
     def _marker(self, ref: Claimant) -> Path:
         name = hashlib.sha256(ref.encode()).hexdigest()[:32]
         return self.config.state_dir / DRAINED_DIR / name
+
+
+class Drainable(Host, Protocol):
+    """A host whose holders come in two parts, so that a drained holder's processes
+    can be told apart: the holders its sources manage (units, containers, VMs,
+    simulated ones) and the processes that hold the tokens' device nodes outside
+    every running one of them."""
+
+    def managed_holders(self, tokens: Sequence[TokenSpec]) -> Sequence[Holder]:
+        """Every holder but the device-node processes, running or not."""
+        ...
+
+    def process_holders(
+        self, tokens: Sequence[TokenSpec], running: Collection[Claimant]
+    ) -> Sequence[Holder]:
+        """The processes holding the tokens' nodes that belong to none of `running`."""
+        ...
+
+
+class Drained:
+    """`inner` with the configured drains around its holders' stops and starts: a
+    drained holder does not run as far as its GPU goes (a process of its that holds
+    the GPU again is a holder of its own), a stop drains first, a start runs `ready`.
+    Everything else is `inner`'s."""
+
+    def __init__(self, inner: Drainable, config: Config) -> None:
+        self.inner = inner
+        self.config = config
+        self.description = inner.description
+        self.drains = Drains(
+            config,
+            token_specs(config, inner.token_functions),
+            inner.device_users,
+            inner.boot_id,
+        )
+
+    # -- what drains change ------------------------------------------------------------
+
+    def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
+        found = self.drains.holders(self.inner.managed_holders(tokens))
+        running = {holder.ref for holder in found if holder.running}
+        return [*self.inner.process_holders(tokens, running), *found]
+
+    def is_running(self, ref: Claimant) -> bool:
+        return self.drains.is_running(ref, self.inner.is_running(ref))
+
+    def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
+        found = self.inner.are_running(refs)
+        return {ref: self.drains.is_running(ref, running) for ref, running in found.items()}
+
+    def stop(self, ref: Claimant) -> None:
+        self.drains.stop(ref, lambda: self.inner.stop(ref))
+
+    def start(self, ref: Claimant) -> None:
+        self.drains.start(ref, lambda: self.inner.start(ref), lambda: self.inner.is_running(ref))
+
+    # -- the rest is the host's own ----------------------------------------------------
+
+    def boot_id(self) -> str:
+        return self.inner.boot_id()
+
+    def gpus(self) -> Sequence[PciFunction]:
+        return self.inner.gpus()
+
+    def token_functions(self, name: str, address: str) -> Sequence[PciFunction]:
+        return self.inner.token_functions(name, address)
+
+    def switch(self, token: TokenSpec, targets: Mapping[str, str]) -> None:
+        self.inner.switch(token, targets)
+
+    def write_vf_count(self, address: str, count: int) -> None:
+        self.inner.write_vf_count(address, count)
+
+    def mig(self, token: TokenSpec) -> MigState | None:
+        return self.inner.mig(token)
+
+    def set_mig(self, token: TokenSpec, change: MigChange) -> MigState:
+        return self.inner.set_mig(token, change)
+
+    @property
+    def mig_error(self) -> str:
+        """Why `mig` said None last, where the host says (the local host's NVML)."""
+        return str(getattr(self.inner, "mig_error", ""))
+
+    def device_users(self, tokens: Sequence[TokenSpec]) -> Sequence[DeviceUser]:
+        return self.inner.device_users(tokens)
+
+    def device_functions(self, numbers: Sequence[tuple[int, int]]) -> Mapping[tuple[int, int], str]:
+        return self.inner.device_functions(numbers)
+
+    def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
+        return self.inner.passthrough_blocker(token)
+
+    def current_process(self) -> ProcessRef:
+        return self.inner.current_process()
+
+    def process_alive(self, process: ProcessRef) -> bool:
+        return self.inner.process_alive(process)
+
+    def regenerate_cdi(self, token: TokenSpec) -> None:
+        self.inner.regenerate_cdi(token)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def machine(host: Host) -> Host:
+    """The host itself, without the drains around it (what `detect`, `doctor` and
+    `sim` ask about: the machine, local or simulated)."""
+    return host.inner if isinstance(host, Drained) else host
 
 
 def token_specs(

@@ -10,7 +10,7 @@ containers).  Holders of other kinds stay simulated.
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from charly_arbiter.core.config import Config
@@ -18,7 +18,6 @@ from charly_arbiter.core.host import (
     Blocker,
     DeviceUser,
     Holder,
-    Host,
     MigChange,
     MigState,
     PciFunction,
@@ -26,24 +25,20 @@ from charly_arbiter.core.host import (
 )
 from charly_arbiter.core.model import Claimant, ProcessRef
 from charly_arbiter.errors import HostError
-from charly_arbiter.host.draining import Drains, token_specs
 from charly_arbiter.host.holders import HolderRegistry, SourceFactory, known_owner
 from charly_arbiter.host.procscan import DeviceNumber
-from charly_arbiter.host.sim import PROC_ROOT, SimHost
+from charly_arbiter.host.sim import SimHost
 
 
-def open_sim(config: Config, sources: Mapping[str, SourceFactory]) -> Host:
+def open_sim(config: Config, sources: Mapping[str, SourceFactory]) -> SimHost | HybridHost:
     """The simulated host named by `config.host`, with real holders where it says so
     (`sources` are the real holder kinds it may ask for)."""
     directory = Path(config.host.removeprefix("sim:"))
     sim = SimHost(directory, config.timeouts.driver_switch)
     kinds = real_holder_kinds(directory / "host.toml", sources)
     if not kinds:
-        sim.drains = Drains(
-            config, token_specs(config, sim.token_functions), sim.device_users, sim.boot_id
-        )
         return sim
-    return HybridHost(sim, HolderRegistry(config, {kind: sources[kind] for kind in kinds}), config)
+    return HybridHost(sim, HolderRegistry(config, {kind: sources[kind] for kind in kinds}))
 
 
 def real_holder_kinds(path: Path, sources: Mapping[str, SourceFactory]) -> tuple[str, ...]:
@@ -58,16 +53,10 @@ def real_holder_kinds(path: Path, sources: Mapping[str, SourceFactory]) -> tuple
 
 
 class HybridHost:
-    def __init__(self, sim: SimHost, real: HolderRegistry, config: Config | None = None) -> None:
+    def __init__(self, sim: SimHost, real: HolderRegistry) -> None:
         self.sim = sim
         self.real = real
         self.description = f"{sim.description} with real {', '.join(real.kinds)} holders"
-        self.drains = Drains(
-            config or real.config,
-            token_specs(config or real.config, sim.token_functions),
-            self.device_users,
-            sim.boot_id,
-        )
 
     def _is_real(self, ref: Claimant) -> bool:
         return Claimant.parse(ref).kind in self.real.kinds
@@ -96,44 +85,44 @@ class HybridHost:
     def holders(self, tokens: Sequence[TokenSpec]) -> Sequence[Holder]:
         """The simulated holders, the real ones, and the real processes holding the
         simulated nodes that run in none of the real holders (a container's are its)."""
+        found = self.managed_holders(tokens)
+        return [*self.process_holders(tokens, {h.ref for h in found if h.running}), *found]
+
+    def managed_holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
         simulated = [h for h in self.sim.simulated_holders(tokens) if not self._is_real(h.ref)]
-        found = self.drains.holders([*simulated, *self.real.holders(tokens)])
-        running = {holder.ref for holder in found if holder.running}
-        processes = self.sim.process_holders(tokens, known_owner(self.real, PROC_ROOT, running))
-        return [*processes, *found]
+        return [*simulated, *self.real.holders(tokens)]
+
+    def process_holders(
+        self, tokens: Sequence[TokenSpec], running: Collection[Claimant]
+    ) -> list[Holder]:
+        return self.sim.node_holders(tokens, known_owner(self.real, self.sim.roots.proc, running))
 
     def device_users(self, tokens: Sequence[TokenSpec]) -> Sequence[DeviceUser]:
-        return self.sim.device_users(tokens, known_owner(self.real, PROC_ROOT, None))
+        return self.sim.device_users(tokens, known_owner(self.real, self.sim.roots.proc, None))
 
     def device_functions(self, numbers: Sequence[DeviceNumber]) -> dict[DeviceNumber, str]:
         return self.sim.device_functions(numbers)
 
     def is_running(self, ref: Claimant) -> bool:
         if self._is_real(ref):
-            return self.drains.is_running(ref, self.real.for_ref(ref).is_running(ref))
-        return self.drains.is_running(ref, self.sim.is_running(ref))
+            return self.real.for_ref(ref).is_running(ref)
+        return self.sim.is_running(ref)
 
     def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         simulated = self.sim.are_running([ref for ref in refs if not self._is_real(ref)])
-        return {
-            ref: self.drains.is_running(ref, simulated[ref])
-            if ref in simulated
-            else self.is_running(ref)
-            for ref in refs
-        }
+        return {ref: simulated[ref] if ref in simulated else self.is_running(ref) for ref in refs}
 
     def stop(self, ref: Claimant) -> None:
         if self._is_real(ref):
-            self.drains.stop(ref, lambda: self.real.for_ref(ref).stop(ref))
+            self.real.for_ref(ref).stop(ref)
         else:
-            self.drains.stop(ref, lambda: self.sim.stop(ref))
+            self.sim.stop(ref)
 
     def start(self, ref: Claimant) -> None:
         if self._is_real(ref):
-            source = self.real.for_ref(ref)
-            self.drains.start(ref, lambda: source.start(ref), lambda: source.is_running(ref))
+            self.real.for_ref(ref).start(ref)
         else:
-            self.drains.start(ref, lambda: self.sim.start(ref), lambda: self.sim.is_running(ref))
+            self.sim.start(ref)
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         return self.sim.passthrough_blocker(token)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,7 +28,7 @@ from charly_arbiter.core.host import (
     common_blocker,
     vgpu_type_of,
 )
-from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
+from charly_arbiter.core.model import VFIO, Claimant, ConsolePolicy, ProcessRef, target_label
 from charly_arbiter.errors import (
     CommandFailed,
     HostError,
@@ -43,7 +43,6 @@ from charly_arbiter.host import run
 from charly_arbiter.host.blocking import TimedOut, Writer, bounded, errno_text
 from charly_arbiter.host.console import Console
 from charly_arbiter.host.devnodes import device_functions
-from charly_arbiter.host.draining import Drains, token_specs
 from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory, known_owner
 from charly_arbiter.host.holders.nvidia import NvidiaPersistence
 from charly_arbiter.host.holders.process import ProcessHolders
@@ -51,7 +50,7 @@ from charly_arbiter.host.kmod import MODULES_ROOT, KernelModules
 from charly_arbiter.host.nvml import Nvml
 from charly_arbiter.host.pcidata import pci_data
 from charly_arbiter.host.procscan import DeviceNumber, process_alive, process_ref
-from charly_arbiter.host.sysfs import DEV_ROOT, PROC_ROOT, SYS_ROOT, Switcher, Sysfs
+from charly_arbiter.host.sysfs import HOST_ROOTS, SYS_ROOT, Roots, Switcher, Sysfs
 from charly_arbiter.host.sysfs import write_attribute as default_writer
 
 log = logging.getLogger(__name__)
@@ -60,63 +59,19 @@ CDI_SPEC = Path("/etc/cdi/nvidia.yaml")
 NVIDIA_VENDOR = "10de"
 
 
-class LocalHost:
+class LocalPci:
+    """This machine's PCI functions and IOMMU groups, as sysfs shows them: all the
+    token catalogue asks (core/tokens.PciSource), without the holders, NVML or the
+    switch that the whole host brings (compose.token_catalogue)."""
+
     def __init__(
         self,
-        config: Config,
-        *,
-        sys_root: Path = SYS_ROOT,
-        proc_root: Path = PROC_ROOT,
-        dev_root: Path = DEV_ROOT,
+        roots: Roots = HOST_ROOTS,
         writer: Writer = default_writer,
-        cdi_spec: Path = CDI_SPEC,
         modules_root: Path = MODULES_ROOT,
-        sources: Mapping[str, SourceFactory] | None = None,
-        isolate_writes: bool = True,
-        load_module: Callable[[str], None] | None = None,
     ) -> None:
-        self.config = config
-        self.modules = KernelModules(modules_root, _release(proc_root))
-        self.description = "local" if sys_root == SYS_ROOT else f"local (sysfs at {sys_root})"
-        self.sysfs = Sysfs(sys_root, writer)
-        self.proc_root = proc_root
-        self.dev_root = dev_root
-        self.cdi_spec = cdi_spec
-        self.switcher = Switcher(
-            self.sysfs,
-            dev_root,
-            config.timeouts.driver_switch,
-            load_module=load_module or (lambda driver: _modprobe(pci_data().module_of(driver))),
-            isolate=isolate_writes,
-        )
-        self.console = Console(
-            self.sysfs,
-            proc_root,
-            dev_root,
-            self.switcher.blocking_writer,
-            config.timeouts.driver_switch,
-        )
-        self.nvml = Nvml()
-        self.mig_error = ""  # why `mig` said None last
-        self.processes = ProcessHolders(
-            config, self.sysfs, proc_root, dev_root, nvml_processes=self._nvml_processes
-        )
-        self.persistence = NvidiaPersistence(config)
-        # Processes (and the NVIDIA daemon's hold on a GPU) are this host's own; every
-        # other kind comes from `sources`.
-        own = (ProcessHolders.kind, NvidiaPersistence.kind)
-        others = {k: f for k, f in (sources or {}).items() if k not in own}
-        self.registry = HolderRegistry(config, others)
-        self.drains = Drains(
-            config, token_specs(config, self.token_functions), self.device_users, self.boot_id
-        )
-
-    def boot_id(self) -> str:
-        path = self.proc_root / "sys" / "kernel" / "random" / "boot_id"
-        try:
-            return path.read_text().strip()
-        except OSError as error:
-            raise HostError(f"cannot read the boot id from {path}: {error.strerror}") from None
+        self.sysfs = Sysfs(roots.sys, writer)
+        self.modules = KernelModules(modules_root, _release(roots.proc))
 
     def functions(self) -> list[PciFunction]:
         return [self.sysfs.function(address) for address in self.sysfs.addresses()]
@@ -149,6 +104,71 @@ class LocalHost:
         modules = [module for module in matching if self.modules.has(module)]
         return replace(function, default_driver=pci_data().default_driver(function.vendor, modules))
 
+
+class LocalHost:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        roots: Roots = HOST_ROOTS,
+        writer: Writer = default_writer,
+        cdi_spec: Path = CDI_SPEC,
+        modules_root: Path = MODULES_ROOT,
+        sources: Mapping[str, SourceFactory] | None = None,
+        isolate_writes: bool = True,
+        load_module: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.roots = roots
+        self.pci = LocalPci(roots, writer, modules_root)
+        self.modules = self.pci.modules
+        self.description = "local" if roots.sys == SYS_ROOT else f"local (sysfs at {roots.sys})"
+        self.sysfs = self.pci.sysfs
+        self.proc_root = roots.proc
+        self.dev_root = roots.dev
+        self.cdi_spec = cdi_spec
+        self.switcher = Switcher(
+            self.sysfs,
+            roots.dev,
+            config.timeouts.driver_switch,
+            load_module=load_module or (lambda driver: _modprobe(pci_data().module_of(driver))),
+            isolate=isolate_writes,
+        )
+        self.console = Console(
+            self.sysfs,
+            roots.proc,
+            roots.dev,
+            self.switcher.blocking_writer,
+            config.timeouts.driver_switch,
+        )
+        self.nvml = Nvml()
+        self.mig_error = ""  # why `mig` said None last
+        self.processes = ProcessHolders(
+            config, self.sysfs, roots.proc, roots.dev, nvml_processes=self._nvml_processes
+        )
+        self.persistence = NvidiaPersistence(config)
+        # Processes (and the NVIDIA daemon's hold on a GPU) are this host's own; every
+        # other kind comes from `sources`.
+        own = (ProcessHolders.kind, NvidiaPersistence.kind)
+        others = {k: f for k, f in (sources or {}).items() if k not in own}
+        self.registry = HolderRegistry(config, others)
+
+    def boot_id(self) -> str:
+        path = self.proc_root / "sys" / "kernel" / "random" / "boot_id"
+        try:
+            return path.read_text().strip()
+        except OSError as error:
+            raise HostError(f"cannot read the boot id from {path}: {error.strerror}") from None
+
+    def functions(self) -> list[PciFunction]:
+        return self.pci.functions()
+
+    def gpus(self) -> list[PciFunction]:
+        return self.pci.gpus()
+
+    def token_functions(self, name: str, address: str) -> list[PciFunction]:
+        return self.pci.token_functions(name, address)
+
     def switch(self, token: TokenSpec, targets: Mapping[str, str]) -> None:
         known = {function.address for function in token.functions}
         for address in targets:
@@ -162,10 +182,10 @@ class LocalHost:
         self.nvml.close()  # an open NVML session holds /dev/nvidia* itself
         targets = self._vgpu_types(targets)
         leaving = any(driver == VFIO for driver in targets.values())
-        if leaving and token.console == "release":
+        if leaving and token.console == ConsolePolicy.RELEASE:
             self.console.release(token)
         self.switcher.switch(targets)
-        if not leaving and token.console == "release":
+        if not leaving and token.console == ConsolePolicy.RELEASE:
             self.console.restore(token)
         self._check_health(targets)
 
@@ -265,7 +285,7 @@ class LocalHost:
                 "install the kernel's modules package (vfio-pci is part of it) "
                 "and check `modprobe vfio-pci`",
             )
-        if blocker is None and token.console == "refuse":
+        if blocker is None and token.console == ConsolePolicy.REFUSE:
             display = self.console.of(token, servers=True)
             if display.drives_it:
                 blocker = Blocker(
@@ -332,7 +352,12 @@ class LocalHost:
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
         """Every holder kind, then the processes holding the tokens' device nodes
         that run in none of the running holders found (a unit's or a container's
-        processes are that holder's: stopping it is what lets go of the node).
+        processes are that holder's: stopping it is what lets go of the node)."""
+        found = self.managed_holders(tokens)
+        return [*self.process_holders(tokens, {h.ref for h in found if h.running}), *found]
+
+    def managed_holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
+        """Every holder kind's holders but the device-node processes.
 
         A kind whose manager cannot be reached (libvirtd not running) has no
         holders to report: a VM that still runs without it holds /dev/vfio/N,
@@ -346,14 +371,12 @@ class LocalHost:
                     found.extend(source.holders(tokens))
             except (HostError, ImportError) as error:
                 log.warning("cannot list %s holders: %s", kind, error)
-        # A drained holder does not run as far as its GPU goes: a process of its that
-        # holds the GPU again is a holder of its own.
-        found = self.drains.holders(found)
-        running = {holder.ref for holder in found if holder.running}
-        return [
-            *self.processes.holders(tokens, known_owner(self.registry, self.proc_root, running)),
-            *found,
-        ]
+        return found
+
+    def process_holders(
+        self, tokens: Sequence[TokenSpec], running: Collection[Claimant]
+    ) -> list[Holder]:
+        return self.processes.holders(tokens, known_owner(self.registry, self.proc_root, running))
 
     def device_users(self, tokens: Sequence[TokenSpec]) -> list[DeviceUser]:
         return self.processes.users(tokens, known_owner(self.registry, self.proc_root, None))
@@ -377,18 +400,16 @@ class LocalHost:
         return {address: frozenset(p.pid for p in gpu.processes) for address, gpu in gpus.items()}
 
     def is_running(self, ref: Claimant) -> bool:
-        return self.drains.is_running(ref, self.source(ref).is_running(ref))
+        return self.source(ref).is_running(ref)
 
     def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         return {ref: self.is_running(ref) for ref in refs}
 
     def stop(self, ref: Claimant) -> None:
-        self.drains.stop(ref, lambda: self.source(ref).stop(ref))
+        self.source(ref).stop(ref)
 
     def start(self, ref: Claimant) -> None:
-        self.drains.start(
-            ref, lambda: self.source(ref).start(ref), lambda: self.source(ref).is_running(ref)
-        )
+        self.source(ref).start(ref)
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         """`nvidia-ctk cdi generate` after an NVIDIA GPU moved, either way: it lists

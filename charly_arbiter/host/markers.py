@@ -18,10 +18,10 @@ from pathlib import Path
 
 from charly_arbiter.core.model import ProcessRef
 from charly_arbiter.host.procscan import process_alive, process_ref
+from charly_arbiter.host.sysfs import PROC_ROOT
 
 ACTING_DIR = "libvirt-acting"  # holders this arbiter is stopping or starting
 HOOK_DIR = "libvirt-hooks"  # domains whose own hook runs now
-PROC_ROOT = Path("/proc")
 
 
 def is_acting(state_dir: Path, ref: str) -> bool:

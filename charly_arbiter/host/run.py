@@ -80,7 +80,9 @@ def spawn_detached(argv: Sequence[str]) -> None:
     """Start `argv` in its own session with no inherited pipes, and do not wait.
 
     For work a hook hands off: libvirt waits for EOF on the hook's stdout and
-    stderr, so a child that kept them would hang the VM's start or stop.
+    stderr, so a child that kept them would hang the VM's start or stop.  It
+    keeps nothing else of its caller either: the fixed environment, and `/` as its
+    directory (a hook's may be anywhere, a mount it would keep busy).
     """
     args = list(argv)
     if not args or not args[0].startswith("/"):
@@ -91,6 +93,7 @@ def spawn_detached(argv: Sequence[str]) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=ENVIRONMENT,
+        cwd="/",
         close_fds=True,
         start_new_session=True,
     )

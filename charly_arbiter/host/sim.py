@@ -27,7 +27,8 @@ import logging
 import os
 import time
 import tomllib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,7 @@ from charly_arbiter.core.host import (
     sriov_enabled_why,
     vgpu_type_of,
 )
-from charly_arbiter.core.model import VFIO, Claimant, ProcessRef, target_label
+from charly_arbiter.core.model import VFIO, Claimant, ConsolePolicy, ProcessRef, target_label
 from charly_arbiter.core.pci import vf_address
 from charly_arbiter.errors import (
     HolderError,
@@ -69,16 +70,14 @@ from charly_arbiter.host.procscan import (
     process_alive,
     process_ref,
 )
+from charly_arbiter.host.sysfs import HOST_ROOTS
 
 if TYPE_CHECKING:
-    from charly_arbiter.host.draining import Drains
     from charly_arbiter.host.holders.process import OwnerOf, ProcessHolders
 
 log = logging.getLogger(__name__)
 
 BRIDGE_CLASS = "0604"
-# The simulated host's processes (the CLI, the hooks) are real processes.
-PROC_ROOT = Path("/proc")
 STATE_LOCK_WAIT = 60.0
 HANG_POLL = 0.05  # how often a blocked teardown looks whether its fault was lifted
 
@@ -93,11 +92,12 @@ class SimHost:
         # makes switches hang in milliseconds wants the count's writes left alone).
         self.count_timeout = switch_timeout if count_timeout is None else count_timeout
         self.description = f"sim:{directory}"
-        self.dev_root = directory / "dev"
+        # Its device nodes are files under DIR/dev; its processes (the CLI, the hooks,
+        # a process holding a node) are this machine's.
+        self.roots = replace(HOST_ROOTS, dev=directory / "dev")
+        self.dev_root = self.roots.dev
         self._parsed: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
         self._processes: ProcessHolders | None = None
-        # The configured drains (set by `open_sim`; a bare SimHost in a test has none).
-        self.drains: Drains | None = None
         if not (directory / "host.toml").is_file():
             raise HostError(
                 f"the simulated host {directory} has no host.toml",
@@ -333,10 +333,16 @@ class SimHost:
                 )
 
     def holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
-        simulated = self.simulated_holders(tokens)
-        if self.drains is not None:
-            simulated = self.drains.holders(simulated)
-        return [*self.process_holders(tokens), *simulated]
+        return [*self.node_holders(tokens), *self.simulated_holders(tokens)]
+
+    def managed_holders(self, tokens: Sequence[TokenSpec]) -> list[Holder]:
+        return self.simulated_holders(tokens)
+
+    def process_holders(
+        self, tokens: Sequence[TokenSpec], running: Collection[Claimant]
+    ) -> list[Holder]:
+        """No simulated holder has real processes: each one holding a node is its own."""
+        return self.node_holders(tokens)
 
     # -- device nodes ------------------------------------------------------------------
 
@@ -379,10 +385,12 @@ class SimHost:
             from charly_arbiter.core.config import Config
             from charly_arbiter.host.holders.process import ProcessHolders
 
-            self._processes = ProcessHolders(Config(), proc_root=PROC_ROOT, nodes=self.node_tokens)
+            self._processes = ProcessHolders(
+                Config(), proc_root=self.roots.proc, nodes=self.node_tokens
+            )
         return self._processes
 
-    def process_holders(
+    def node_holders(
         self, tokens: Sequence[TokenSpec], owner_of: OwnerOf | None = None
     ) -> list[Holder]:
         """Real processes holding the tokens' nodes (none when host.toml lists no nodes)."""
@@ -449,33 +457,12 @@ class SimHost:
     def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         with self._state() as state:
             running, unknown = state["running"], bool(state["unknown_alive"])
-            found = {ref: bool(running[ref]) if ref in running else unknown for ref in refs}
-        if self.drains is not None:
-            drains = self.drains
-            return {ref: drains.is_running(ref, value) for ref, value in found.items()}
-        return found
+            return {ref: bool(running[ref]) if ref in running else unknown for ref in refs}
 
     def stop(self, ref: Claimant) -> None:
-        if self.drains is not None:
-            self.drains.stop(ref, lambda: self._stop(ref))
-        else:
-            self._stop(ref)
-
-    def _stop(self, ref: Claimant) -> None:
         self._set_running(ref, False, "fail_stop", "stop")
 
     def start(self, ref: Claimant) -> None:
-        if self.drains is not None:
-            self.drains.start(ref, lambda: self._start(ref), lambda: self._runs(ref))
-        else:
-            self._start(ref)
-
-    def _runs(self, ref: Claimant) -> bool:
-        with self._state() as state:
-            running, unknown = state["running"], bool(state["unknown_alive"])
-            return bool(running[ref]) if ref in running else unknown
-
-    def _start(self, ref: Claimant) -> None:
         spec = self._spec(ref)
         if spec is not None and spec.get("kind") == "process":
             log.info("%s was a process; there is nothing to start again", ref)
@@ -512,7 +499,7 @@ class SimHost:
         console = [
             d["address"] for d in self._devices() if d.get("console") and d["address"] in addresses
         ]
-        if blocker is None and console and token.console == "refuse":
+        if blocker is None and console and token.console == ConsolePolicy.REFUSE:
             blocker = Blocker(
                 f"it drives the host's display: the text console runs on it "
                 f"(simulated: console = true on {', '.join(console)})",
@@ -521,10 +508,10 @@ class SimHost:
         return blocker
 
     def current_process(self) -> ProcessRef:
-        return process_ref(PROC_ROOT, os.getpid()) or ProcessRef(os.getpid())
+        return process_ref(self.roots.proc, os.getpid()) or ProcessRef(os.getpid())
 
     def process_alive(self, process: ProcessRef) -> bool:
-        return process_alive(PROC_ROOT, process)
+        return process_alive(self.roots.proc, process)
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         with self._state() as state:

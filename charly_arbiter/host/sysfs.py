@@ -59,6 +59,11 @@ class Roots:
     run: Path = RUN_ROOT
 
 
+# This machine's: what a host, a holder source or a hook is given unless a test or
+# the real kernel under QEMU gives it other roots.
+HOST_ROOTS = Roots()
+
+
 BRIDGE_CLASS = "0604"
 _POLL = 0.005
 

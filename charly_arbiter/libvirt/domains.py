@@ -26,16 +26,16 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
-from charly_arbiter.core.model import Claimant, LeaseState, Mode
+from charly_arbiter.core.model import Claimant, HolderKind, LeaseState, Mode
 from charly_arbiter.errors import ArbiterError, HolderError, HostError, LedgerCorrupt
 from charly_arbiter.host.blocking import TimedOut, bounded
 from charly_arbiter.host.markers import ACTING_DIR, in_hook, marked
 from charly_arbiter.host.procscan import command_lines
+from charly_arbiter.host.sysfs import HOST_ROOTS, Roots
 from charly_arbiter.libvirt.domainxml import (
     DomainXMLError,
     mdev_parent,
@@ -45,9 +45,7 @@ from charly_arbiter.libvirt.domainxml import (
 
 log = logging.getLogger(__name__)
 
-KIND = "libvirt"
-DEFAULT_SYSFS = Path("/sys")
-DEFAULT_PROC = Path("/proc")
+KIND = HolderKind.LIBVIRT
 POLL_SECONDS = 0.2
 
 T = TypeVar("T")
@@ -60,16 +58,14 @@ class LibvirtHolders:
         self,
         config: Config,
         subject: str | None = None,
-        sysfs_root: Path = DEFAULT_SYSFS,
-        proc_root: Path = DEFAULT_PROC,
+        roots: Roots = HOST_ROOTS,
     ) -> None:
         """`subject` is the domain whose hook this process runs in (None outside a hook)."""
         self.config = config
         self.uri = config.libvirt_uri
         self.timeout = config.timeouts.libvirt_call
         self.subject = subject or None
-        self.sysfs_root = sysfs_root
-        self.proc_root = proc_root
+        self.roots = roots
         self.configured: dict[str, HolderConfig] = {
             h.ref.name: h for h in config.holders if h.ref.kind == KIND
         }
@@ -213,7 +209,7 @@ class LibvirtHolders:
         except DomainXMLError as error:
             log.warning("%s: ignored as a holder: %s", ref, error)
             return None
-        claim = resolve_claim(facts, owner.get, lambda uuid: mdev_parent(self.sysfs_root, uuid))
+        claim = resolve_claim(facts, owner.get, lambda uuid: mdev_parent(self.roots.sys, uuid))
         held = [t for t in (claim.tokens if claim else ()) if t in names]
         held += [t for t in (configured.tokens if configured else ()) if t in names]
         if not held:
@@ -305,7 +301,7 @@ class LibvirtHolders:
     def _qemu_process_alive(self, name: str) -> bool:
         """Whether a QEMU process runs for `name` (`-name guest=NAME,...` on its command line)."""
         return bool(
-            command_lines(self.proc_root, lambda argv: any(_guest_option(a) == name for a in argv))
+            command_lines(self.roots.proc, lambda argv: any(_guest_option(a) == name for a in argv))
         )
 
 

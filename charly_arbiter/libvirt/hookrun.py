@@ -4,27 +4,23 @@
 after that is here, with ordinary imports and types.  libvirt holds the
 domain locked until the hook exits, so while it runs a marker says so (other
 arbiter processes then never wait on that lock).  The release of a claim that
-stopped holders is handed to a detached process, after the lease has turned
-`releasing` under the lock.
+stopped holders is the session's (`hooksession.HookSession.stopped`): handed to a
+detached process, after the lease has turned `releasing` under the lock.
 """
 
 from __future__ import annotations
 
 import logging
 
-from charly_arbiter.compose import (
-    DETACHED,
-    HookSession,
-    build_arbiter,
-    spawn_finish_release,
-)
+from charly_arbiter.compose import token_catalogue
 from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import Claimant, Mode
+from charly_arbiter.core.model import Claimant, HolderKind, Mode, Preemption
 from charly_arbiter.core.planner import NO_POLICY, Policy
 from charly_arbiter.errors import InvalidClaimant, Refused, cli_command
+from charly_arbiter.hooksession import HookSession
 from charly_arbiter.host.markers import HOOK_DIR, marked
-from charly_arbiter.host.sysfs import Roots
+from charly_arbiter.host.sysfs import HOST_ROOTS
 from charly_arbiter.libvirt.domainxml import (
     DomainClaim,
     DomainFacts,
@@ -36,7 +32,7 @@ from charly_arbiter.logsetup import log_setup
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DETACHED", "HookRun", "dispatch"]
+__all__ = ["HookRun", "dispatch"]
 
 
 def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
@@ -74,14 +70,10 @@ def dispatch(guest: str, operation: str, extra: str, xml: bytes | None) -> int:
 
 def _claim_of(facts: DomainFacts) -> DomainClaim | None:
     """The claim a domain's XML makes, asked without its name (no holder is asked)."""
-    config = load_config()
-    arbiter = build_arbiter(config)
-    try:
-        return resolve_claim(
-            facts, arbiter.tokens.token_for_address, lambda uuid: mdev_parent(Roots().sys, uuid)
-        )
-    finally:
-        arbiter.host.close()
+    tokens = token_catalogue(load_config())
+    return resolve_claim(
+        facts, tokens.token_for_address, lambda uuid: mdev_parent(HOST_ROOTS.sys, uuid)
+    )
 
 
 class HookRun(HookSession):
@@ -90,10 +82,10 @@ class HookRun(HookSession):
         self.guest = guest
 
     def claim(self, facts: DomainFacts) -> DomainClaim | None:
-        sys_root = Roots().sys
+        sys_root = self.roots.sys
         return resolve_claim(
             facts,
-            self.arbiter().tokens.token_for_address,
+            self.tokens().token_for_address,
             lambda uuid: mdev_parent(sys_root, uuid),
         )
 
@@ -101,49 +93,15 @@ class HookRun(HookSession):
         return preemption_policy(self.config)
 
     def prepare(self, claim: DomainClaim) -> int:
-        plan = self.arbiter().acquire(
-            self.ref,
-            claim.mode,
-            list(claim.tokens),
-            transient=claim.transient,
-            policy=self.policy(),
-        )
-        stopped = ", ".join(step.holder for step in plan.stops)
-        log.info(
-            "%s holds %s (%s)%s",
-            self.ref,
-            ", ".join(plan.tokens),
-            plan.mode,
-            f"; stopped {stopped}" if stopped else "",
-        )
+        self.acquire(claim.mode, claim.tokens, transient=claim.transient)
         return 0
 
     def release(self, reason: str) -> int:
+        """libvirt says the domain stopped (`reason` its why: `-` none, `failed`, ...)."""
         reason = "" if reason == "-" else reason
-        lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
-        nested = self.nested()
-        log.info(
-            "%s stopped (%s)%s",
-            self.ref,
-            reason or "no reason given",
-            " by the arbiter" if nested else "",
+        return self.stopped(
+            success=reason != "failed", reason=reason, told=reason or "no reason given"
         )
-        if lease is None:
-            return 0  # a refused prepare, or a holder whose lease moved: nothing is ours
-        success = reason != "failed"
-        arbiter = self.arbiter()
-        if lease.unrestored() and not nested:
-            # Starting what the claim stopped calls libvirt and may take a while:
-            # a detached process does it, so `virsh destroy` returns at once.  The
-            # lease turns releasing first, under the lock, so that a `prepare` of
-            # this domain right after waits for the release to end.
-            begun = arbiter.releaser().begin(self.ref, success, reason)
-            if begun is not None and begun.lease is not None:
-                spawn_finish_release(self.config, self.ref, reason, arbiter.owner)
-            return 0
-        # libvirt says the domain has stopped: no need to ask whether it runs.
-        arbiter.release_claimant(self.ref, success=success, reason=reason, force=True, stopped=True)
-        return 0
 
     def reconnect(self, claim: DomainClaim | None) -> int:
         """libvirtd restarted and found this domain running: its lease stays as it is."""
@@ -192,9 +150,9 @@ class HookRun(HookSession):
 
 def preemption_policy(config: Config) -> Policy:
     """What a VM's start may not stop (with `libvirt_preemption = "refuse"`: other VMs)."""
-    if config.libvirt_preemption == "refuse":
+    if config.libvirt_preemption == Preemption.REFUSE:
         return Policy(
-            refuse_kinds=frozenset({"libvirt"}),
+            refuse_kinds=frozenset({HolderKind.LIBVIRT}),
             refuse_hint="stop {holder} first (virsh shutdown), or run {acquire} outside "
             "libvirt, then start the VM again",
         )

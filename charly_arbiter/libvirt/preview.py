@@ -13,7 +13,7 @@ from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.model import Claimant
 from charly_arbiter.core.planner import ClaimPlan
 from charly_arbiter.errors import UsageError, cli_command
-from charly_arbiter.host.sysfs import Roots
+from charly_arbiter.host.sysfs import HOST_ROOTS
 from charly_arbiter.libvirt.domains import KIND, LibvirtHolders
 from charly_arbiter.libvirt.domainxml import DomainClaim, mdev_parent, parse_domain, resolve_claim
 from charly_arbiter.libvirt.hookrun import preemption_policy
@@ -31,7 +31,7 @@ def domain_claim(arbiter: Arbiter, name: str) -> DomainClaim | None:
             f"libvirt at {arbiter.config.libvirt_uri} has no domain named {name}",
             hint="`virsh list --all` lists the domains",
         )
-    sys_root = Roots().sys
+    sys_root = HOST_ROOTS.sys
     return resolve_claim(
         parse_domain(xml, name),
         arbiter.tokens.token_for_address,

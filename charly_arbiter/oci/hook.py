@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 
-from charly_arbiter.hookio import say, scan_config, stdout_to_stderr
+from charly_arbiter.hookio import guarded, scan_config
 
 MAX_STATE = 1 << 20
 MAX_SPEC = 16 << 20  # spec.MAX_SPEC, not imported: the fast path stays light
@@ -32,7 +32,8 @@ STAGES = {"prestart": "claim", "createRuntime": "claim", "poststop": "release"}
 STATUSES = {"creating": "claim", "created": "claim", "stopped": "release"}
 CDI_PREFIX = "cdi.k8s.io/"
 GPU_MAJOR_NAMES = ("drm", "nvidia", "nvidia-frontend")  # host/devnodes.GPU_MAJORS
-# Where the fast path looks (the only roots it knows; the slow path has Roots).
+# Where the fast path looks: host/sysfs.HOST_ROOTS, spelled here so that it imports
+# nothing (tests/host/test_sysfs.py holds the two equal); tests pass others.
 SYS_ROOT = "/sys"
 PROC_ROOT = "/proc"
 USAGE = "usage: charly-arbiter hook oci [prestart|createRuntime|poststop] [--engine=NAME]"
@@ -48,24 +49,12 @@ def main(argv: list[str]) -> int:
         elif argument not in ("oci-hook", "charly-arbiter"):
             print(f"charly-arbiter: {USAGE}", file=sys.stderr)
             return 2
-    stdout_to_stderr()
-    stages = [stage]  # what _dispatch learns from the state, for the boundary below
-    try:
-        return _dispatch(stages, engine)
-    except Exception as error:  # the boundary: one sentence, and the right exit code
-        from charly_arbiter.errors import ArbiterError
-
-        code = 1
-        if isinstance(error, ArbiterError):
-            say(str(error), error.hint)
-            code = error.exit_code
-        else:
-            if os.environ.get("CHARLY_ARBITER_DEBUG"):
-                import traceback
-
-                traceback.print_exc()
-            say(f"internal error in the OCI hook: {error!r}", None)
-        return 0 if stages[-1] == "release" else code
+    stages = [stage]  # what _dispatch learns from the state, for the boundary
+    return guarded(
+        lambda: _dispatch(stages, engine),
+        what="the OCI hook",
+        lets_go=lambda: stages[-1] == "release",
+    )
 
 
 def _dispatch(stages: list[str | None], engine: str | None) -> int:
@@ -119,7 +108,11 @@ def _read_spec(bundle: object) -> object:
 
 
 def may_claim(
-    spec: object, state: object, sys_root: str = SYS_ROOT, config: str | None = None
+    spec: object,
+    state: object,
+    sys_root: str = SYS_ROOT,
+    config: str | None = None,
+    proc_root: str = PROC_ROOT,
 ) -> bool:
     """Whether the container may be given a GPU; False only when sure it is not.
 
@@ -143,7 +136,7 @@ def may_claim(
         if _under_pci(f"{sys_root}/dev/char/{major}:{minor}"):
             return True
         if majors is None:
-            majors = _gpu_majors()
+            majors = _gpu_majors(proc_root)
         if major in majors:
             return True
     return False
@@ -170,24 +163,27 @@ def _under_pci(link: str) -> bool:
 
 
 def _is_pci_address(part: str) -> bool:
-    """`0000:0a:00.0` (the domain may be longer), without importing re."""
+    """`0000:0a:00.0`: core/pci.py's grammar without importing re (a domain of 4 to 8
+    hex digits, a device 00 to 1f, a function 0 to 7, lower case); the test of the
+    grammars, tests/core/test_pci_grammars.py, holds both to the same verdicts."""
     domain, _, rest = part.partition(":")
     bus, _, rest = rest.partition(":")
     slot, _, function = rest.partition(".")
     hexdigits = "0123456789abcdef"
     return (
-        len(domain) >= 4
+        4 <= len(domain) <= 8
         and len(bus) == 2
         and len(slot) == 2
+        and slot[0] in "01"
         and len(function) == 1
         and all(c in hexdigits for c in domain + bus + slot)
         and function in "01234567"
     )
 
 
-def _gpu_majors() -> set[int]:
+def _gpu_majors(proc_root: str) -> set[int]:
     try:
-        with open(f"{PROC_ROOT}/devices") as handle:
+        with open(f"{proc_root}/devices") as handle:
             text = handle.read()
     except OSError:
         return set()

@@ -25,15 +25,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from charly_arbiter.compose import HookSession, spawn_finish_release
 from charly_arbiter.core.host import UNKNOWN_FUNCTION
-from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import VFIO, Mode
 from charly_arbiter.errors import ClaimRefused
+from charly_arbiter.hooksession import HookSession
 from charly_arbiter.host.holders.container import ClaimRecord, forget_record, write_record
 from charly_arbiter.host.markers import HOOK_DIR, marked
 from charly_arbiter.host.procscan import process_ref
-from charly_arbiter.host.sysfs import PROC_ROOT
 from charly_arbiter.logsetup import log_setup
 from charly_arbiter.oci.spec import ContainerFacts, Device, read_facts
 
@@ -70,13 +68,12 @@ class HookRun(HookSession):
     # -- creation ------------------------------------------------------------------
 
     def claim(self) -> int:
-        tokens = self.tokens()
+        tokens = self.claimed_tokens()
         if not tokens:
             log.info("%s: none of its devices is a token's GPU", self.ref)
             return 0
-        arbiter = self.arbiter()
-        plan = arbiter.acquire(self.ref, Mode.SHARED, tokens, policy=self.policy())
-        process = process_ref(PROC_ROOT, self.facts.pid)
+        plan = self.acquire(Mode.SHARED, tokens)
+        process = process_ref(self.roots.proc, self.facts.pid)
         write_record(
             self.config.state_dir,
             ClaimRecord(
@@ -89,16 +86,9 @@ class HookRun(HookSession):
                 preemptible=self.facts.preemptible,
             ),
         )
-        stopped = ", ".join(step.holder for step in plan.stops)
-        log.info(
-            "%s holds %s (shared)%s",
-            self.ref,
-            ", ".join(plan.tokens),
-            f"; stopped {stopped}" if stopped else "",
-        )
         return 0
 
-    def tokens(self) -> list[str]:
+    def claimed_tokens(self) -> list[str]:
         """The tokens the container's devices belong to (its nodes, its CDI names).
 
         A GPU node no function answers to now may be the node of any token that
@@ -145,22 +135,11 @@ class HookRun(HookSession):
     # -- stop ------------------------------------------------------------------------
 
     def release(self) -> int:
-        nested = self.nested()
-        if not nested:
+        """The runtime says the container has stopped.  Its claim record goes, unless
+        the arbiter stopped it (nested): it will start it again."""
+        if not self.nested():
             forget_record(self.config.state_dir, self.facts.id)
-        lease = Ledger(self.config.state_dir).read().lease_of(self.ref)
-        log.info("%s stopped%s", self.ref, " by the arbiter" if nested else "")
-        if lease is None:
-            return 0  # a refused start, or a holder whose lease moved: nothing is ours
-        arbiter = self.arbiter()
-        if lease.unrestored() and not nested:
-            begun = arbiter.releaser().begin(self.ref, True, "stopped")
-            if begun is not None and begun.lease is not None:
-                spawn_finish_release(self.config, self.ref, "stopped", arbiter.owner)
-            return 0
-        # The runtime says the container has stopped: no need to ask whether it runs.
-        arbiter.release_claimant(self.ref, success=True, reason="stopped", force=True, stopped=True)
-        return 0
+        return self.stopped(reason="stopped")
 
 
 def mig_gpu_name(name: str) -> str:

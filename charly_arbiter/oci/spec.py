@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.model import Claimant, HolderKind
 from charly_arbiter.errors import ArbiterError
 
 NAME_ANNOTATION = "org.charly-arbiter.name"
@@ -68,7 +68,7 @@ class ContainerFacts:
 
     @property
     def ref(self) -> Claimant:
-        return Claimant.of("container", self.name)
+        return Claimant.of(HolderKind.CONTAINER, self.name)
 
 
 def read_facts(state: Any, spec: Any, engine: str | None = None) -> ContainerFacts:
@@ -86,7 +86,7 @@ def read_facts(state: Any, spec: Any, engine: str | None = None) -> ContainerFac
     runtime = engine or _runtime(annotations)
     name = _name(annotations, container_id, bundle)
     try:
-        Claimant.of("container", name)
+        Claimant.of(HolderKind.CONTAINER, name)
     except ArbiterError:
         name = container_id
     return ContainerFacts(

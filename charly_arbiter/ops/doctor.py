@@ -20,12 +20,14 @@ from pathlib import Path
 from charly_arbiter.core import files
 from charly_arbiter.core.arbiter import Arbiter, rollback_found
 from charly_arbiter.core.config import Config
+from charly_arbiter.core.events import EventKind
 from charly_arbiter.core.host import Host
 from charly_arbiter.core.model import VFIO, LedgerState, human_time
 from charly_arbiter.core.planner import unaccounted, unaccounted_hint
 from charly_arbiter.errors import ArbiterError, TokensOverlap, cli_command
 from charly_arbiter.host import run
 from charly_arbiter.host.detect import FunctionInfo, detect, group_problems
+from charly_arbiter.host.draining import machine
 from charly_arbiter.host.local import NVIDIA_VENDOR, LocalHost
 from charly_arbiter.host.sysfs import BRIDGE_CLASS
 from charly_arbiter.ops.history import HistoryLog, Record, last_holder
@@ -53,9 +55,10 @@ def host_checks(
     """IOMMU, vfio-pci, each token's group, nvidia-ctk and memlock (local host only).
     `merged` are GPUs that are part of another GPU's token (no configuration, one
     IOMMU group): they are checked as that token's group, not as tokens of their own."""
-    if not isinstance(host, LocalHost):
+    local = machine(host)
+    if not isinstance(local, LocalHost):
         return [Check("host", Level.WARNING, f"{host.description} is simulated; PCI not checked")]
-    found = detect(host, vm_memory)
+    found = detect(local, vm_memory)
     v = found.vfio
     checks = [
         Check("iommu", Level.OK, f"IOMMU on ({v.iommu_groups} groups)")
@@ -116,7 +119,7 @@ def host_checks(
             checks.append(Check("nvidia-ctk", Level.OK, "nvidia-ctk is installed"))
             cdi_tokens = {t.name for t in config.tokens if t.cdi} or {n for n, _ in wanted}
             records = HistoryLog(config.state_dir).read().records
-            checks.append(cdi_check(host.cdi_spec, cdi_tokens, records))
+            checks.append(cdi_check(local.cdi_spec, cdi_tokens, records))
         else:
             checks.append(
                 Check(
@@ -174,7 +177,7 @@ def cdi_check(spec: Path, tokens: set[str], records: Sequence[Record]) -> Check:
         return Check(
             "cdi", Level.WARNING, f"there is no CDI spec at {spec}: CDI containers get no GPU", fix
         )
-    switches = [r for r in records if r.kind == "switched" and set(r.tokens) & tokens]
+    switches = [r for r in records if r.kind == EventKind.SWITCHED and set(r.tokens) & tokens]
     last = switches[-1] if switches else None
     if last is not None and written < last.time:
         return Check(

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 from charly_arbiter.core.arbiter import Status, TokenStatus, rollback_found
-from charly_arbiter.core.events import and_list, describe
+from charly_arbiter.core.events import EventKind, and_list, describe
 from charly_arbiter.core.host import Holder
-from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState, human_time
+from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState, as_time, human_time
 from charly_arbiter.core.planner import unaccounted_hint
 from charly_arbiter.errors import cli_command
 from charly_arbiter.ops.history import Record, last_holder
@@ -253,7 +253,9 @@ def _last_trouble(
 ) -> list[str]:
     sentences = []
     refusals = [
-        r for _, r in indexed if r.kind == "refused" and claimant in (None, r.get("claimant"))
+        r
+        for _, r in indexed
+        if r.kind == EventKind.REFUSED and claimant in (None, r.get("claimant"))
     ]
     if refusals:
         last = refusals[-1]
@@ -261,7 +263,11 @@ def _last_trouble(
             f"The last refused claim {scope} was {last.get('claimant')}'s for {last.get('token')}"
             f" at {_when(last.time, facts)}: {last.get('why')}."
         )
-    failures = [r for _, r in indexed if r.kind in ("failed", "poisoned", "restore-failed")]
+    failures = [
+        r
+        for _, r in indexed
+        if r.kind in (EventKind.FAILED, EventKind.POISONED, EventKind.RESTORE_FAILED)
+    ]
     if failures:
         last = failures[-1]
         sentences.append(
@@ -286,7 +292,7 @@ def _interrupted(claimants: set[str], facts: Facts, only_token: str | None = Non
         restored = [
             later
             for later in facts.history[index + 1 :]
-            if later.kind == "restore" and later.get("claimant") == record.get("claimant")
+            if later.kind == EventKind.RESTORE and later.get("claimant") == record.get("claimant")
         ]
         if restored:
             sentence += f"; `restore` cleaned up after it at {_when(restored[0].time, facts)}"
@@ -296,15 +302,9 @@ def _interrupted(claimants: set[str], facts: Facts, only_token: str | None = Non
 
 def _when(moment: str | datetime, facts: Facts) -> str:
     """The time as every output shows it (`human_time`), and how long ago it was."""
-    if isinstance(moment, str):
-        try:
-            when = datetime.fromisoformat(moment)
-        except ValueError:
-            return moment or "an unknown time"
-    else:
-        when = moment
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=UTC)
+    when = as_time(moment)
+    if when is None:
+        return str(moment) or "an unknown time"
     return f"{human_time(when)} ({age(facts.now - when)} ago)"
 
 

@@ -27,11 +27,10 @@ from typing import Any
 
 from charly_arbiter.core import files
 from charly_arbiter.core.crashpoints import crashpoint
-from charly_arbiter.core.events import STEP_STARTS
+from charly_arbiter.core.events import STEP_STARTS, EventKind
 from charly_arbiter.errors import ArbiterError, UsageError
 from charly_arbiter.host.procscan import alive as process_runs
-
-PROC_ROOT = Path("/proc")
+from charly_arbiter.host.sysfs import HOST_ROOTS
 
 log = logging.getLogger(__name__)
 
@@ -246,7 +245,7 @@ def interrupted(records: Sequence[Record], alive: Any = None) -> set[int]:
     record of a process no longer alive is where that process was killed.
     `alive(pid)` answers whether a pid still runs (default: /proc, zombies dead).
     """
-    is_alive = alive or (lambda pid: process_runs(PROC_ROOT, pid))
+    is_alive = alive or (lambda pid: process_runs(HOST_ROOTS.proc, pid))
     last_of_pid: dict[int, int] = {}
     for index, record in enumerate(records):
         last_of_pid[record.pid] = index
@@ -278,24 +277,29 @@ def last_holder(records: Sequence[Record], token: str) -> LastHolder | None:
     found: LastHolder | None = None
     for record in records:
         claimant = record.get("claimant")
-        if record.kind == "claim" and token in record.tokens and record.get("mode") == "exclusive":
+        if (
+            record.kind == EventKind.CLAIM
+            and token in record.tokens
+            and record.get("mode") == "exclusive"
+        ):
             found = LastHolder(claimant, record.time, ())
-        elif record.kind == "adopted" and token in record.tokens:
+        elif record.kind == EventKind.ADOPTED and token in record.tokens:
             stopped = tuple(h for h in record.get("stopped").split(", ") if h)
             adopted = claimant and record.get("by") != "administrator"
             found = LastHolder(claimant, record.time, stopped) if adopted else None
         elif found is None:
             continue
-        elif record.kind == "preempted" and claimant == found.claimant:
+        elif record.kind == EventKind.PREEMPTED and claimant == found.claimant:
             holder = record.get("holder")
             if holder and holder not in found.stopped:
                 found = LastHolder(found.claimant, found.since, (*found.stopped, holder))
-        elif record.kind == "restored" and record.get("holder") in found.stopped:
+        elif record.kind == EventKind.RESTORED and record.get("holder") in found.stopped:
             kept = tuple(h for h in found.stopped if h != record.get("holder"))
             found = LastHolder(found.claimant, found.since, kept)
-        elif (record.kind in ("release", "restore", "failed") and claimant == found.claimant) or (
-            record.kind == "send-home" and token in record.tokens
-        ):
+        elif (
+            record.kind in (EventKind.RELEASE, EventKind.RESTORE, EventKind.FAILED)
+            and claimant == found.claimant
+        ) or (record.kind == EventKind.SEND_HOME and token in record.tokens):
             found = None
     return found
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from charly_arbiter.core import files
 from charly_arbiter.core.arbiter import Status
+from charly_arbiter.core.events import EventKind
 from charly_arbiter.core.model import Mode
 from charly_arbiter.errors import ArbiterError
 from charly_arbiter.ops.history import Record
@@ -121,9 +122,12 @@ class _Collector:
         )
 
         per_token = {
-            "claims": ("claim", "Claims that started (intent recorded), per token."),
-            "refusals": ("refused", "Claims refused by the rules, per token."),
-            "switch_failures": ("poisoned", "Driver switches that failed and poisoned a token."),
+            "claims": (EventKind.CLAIM, "Claims that started (intent recorded), per token."),
+            "refusals": (EventKind.REFUSED, "Claims refused by the rules, per token."),
+            "switch_failures": (
+                EventKind.POISONED,
+                "Driver switches that failed and poisoned a token.",
+            ),
         }
         for name, (kind, help_text) in per_token.items():
             counts = Counter({token: 0 for token in names})
@@ -143,13 +147,15 @@ class _Collector:
         kinds = Counter(
             record.get("holder").partition(":")[0]
             for record in self.history
-            if record.kind == "preempted"
+            if record.kind == EventKind.PREEMPTED
         )
-        for kind, count in sorted(kinds.items()):
-            preemptions.add_metric([kind], count)
+        for holder_kind, count in sorted(kinds.items()):
+            preemptions.add_metric([holder_kind], count)
         yield preemptions
 
-        restore_failures = sum(1 for record in self.history if record.kind == "restore-failed")
+        restore_failures = sum(
+            1 for record in self.history if record.kind == EventKind.RESTORE_FAILED
+        )
         yield CounterMetricFamily(
             f"{PREFIX}_restore_failures",
             "Stopped holders that could not be started again.",
@@ -163,7 +169,7 @@ class _Collector:
         )
         durations: dict[str, float] = {}
         for record in self.history:
-            if record.kind == "switched":
+            if record.kind == EventKind.SWITCHED:
                 try:
                     durations[record.get("token")] = float(record.get("seconds"))
                 except ValueError:

@@ -13,11 +13,11 @@ import threading
 import time
 from typing import Any, TextIO
 
-from charly_arbiter.core.events import STEP_STARTS, describe
+from charly_arbiter.core.events import STEP_STARTS, EventKind, describe
 
 # What ends each kind of step, and whether it ended well.
-_ENDS = {"preempted": True, "switched": True, "restored": True}
-_FAILURES = frozenset({"poisoned", "failed", "restore-failed"})
+_ENDS = {EventKind.PREEMPTED: True, EventKind.SWITCHED: True, EventKind.RESTORED: True}
+_FAILURES = frozenset({EventKind.POISONED, EventKind.FAILED, EventKind.RESTORE_FAILED})
 _TICK = 0.5
 
 

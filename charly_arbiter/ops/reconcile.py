@@ -24,11 +24,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from charly_arbiter.core.arbiter import Arbiter
-from charly_arbiter.core.events import a_or_an
+from charly_arbiter.core.events import EventKind, a_or_an
 from charly_arbiter.core.host import TokenSpec
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
+    HolderKind,
     Lease,
     LeaseState,
     LedgerState,
@@ -98,7 +99,7 @@ def adopt(arbiter: Arbiter, token: str, claimant: str, history: Sequence[Record]
             state = state.with_home(token, home_map(state, spec))
         txn.state = state.with_lease(lease)
     arbiter.events.emit(
-        "adopted",
+        EventKind.ADOPTED,
         token=token,
         claimant=ref,
         stopped=", ".join(record.holder for record in records),
@@ -121,7 +122,7 @@ def adopt_admin(arbiter: Arbiter, token: str) -> None:
     with arbiter.ledger.transaction() as txn:
         _refuse_unless_unaccounted(txn.state, spec)
         txn.state = txn.state.with_home(token, {f.address: VFIO for f in spec.functions})
-    arbiter.events.emit("adopted", token=token, by="administrator")
+    arbiter.events.emit(EventKind.ADOPTED, token=token, by="administrator")
 
 
 def send_home(
@@ -147,7 +148,7 @@ def send_home(
             hint=f"run {cli_command('adopt', operands=[token, story.claimant])} instead, or stop "
             f"{story.claimant} first (add --force if it does not use the GPU)",
         )
-    me = Claimant.of("process", str(arbiter.owner.pid))
+    me = Claimant.of(HolderKind.PROCESS, str(arbiter.owner.pid))
     stopped = _to_bring_back(arbiter, story, me)
     with arbiter.ledger.transaction() as txn:
         state = txn.state
@@ -172,7 +173,7 @@ def send_home(
             note="sent home by an operator",
         ).owned_by(arbiter.owner)
         txn.state = state.with_lease(lease)
-    arbiter.events.emit("send-home", claimant=me, token=token)
+    arbiter.events.emit(EventKind.SEND_HOME, claimant=me, token=token)
     # (Written releasing, by this process: the release continues it, as a hook's
     # detached finish continues the hook's.)
     arbiter.releaser().finish(me, True, "sent home", takeover=arbiter.owner)

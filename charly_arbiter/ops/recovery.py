@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from charly_arbiter.core.arbiter import Arbiter, rollback_found
-from charly_arbiter.core.events import count_of
+from charly_arbiter.core.events import EventKind, count_of
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
@@ -140,7 +140,7 @@ def recover(
             txn.state = replace(txn.state, generation=max(behind, floor))
         state = arbiter.ledger.read()
         arbiter.events.emit(
-            "recovered", why=rollback_found(behind, floor), source="the ledger as it is"
+            EventKind.RECOVERED, why=rollback_found(behind, floor), source="the ledger as it is"
         )
         return state, None
     if comparison.corrupt is None:
@@ -162,7 +162,7 @@ def recover(
         state = replace(comparison.backup, generation=max(comparison.backup.generation, floor))
     aside = arbiter.ledger.replace_corrupt(state)
     arbiter.events.emit(
-        "recovered", why=comparison.corrupt.why, source="empty" if empty else "backup"
+        EventKind.RECOVERED, why=comparison.corrupt.why, source="empty" if empty else "backup"
     )
     return state, aside
 

@@ -37,11 +37,12 @@ from pathlib import Path
 
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import UNKNOWN_FUNCTION, Holder, TokenSpec
-from charly_arbiter.core.model import Claimant, ProcessRef
+from charly_arbiter.core.model import Claimant, HolderKind, ProcessRef
 from charly_arbiter.errors import ArbiterError, CommandFailed, HolderError
 from charly_arbiter.host import run
 from charly_arbiter.host.markers import ACTING_DIR, in_hook, marked
 from charly_arbiter.host.procscan import DeviceNumber, process_alive
+from charly_arbiter.host.sysfs import HOST_ROOTS, Roots
 from charly_arbiter.proxmox.claims import ProxmoxNode, VmClaim, vm_claim
 from charly_arbiter.proxmox.mapping import read_mappings, read_reservations
 from charly_arbiter.proxmox.vmconf import (
@@ -55,11 +56,10 @@ from charly_arbiter.proxmox.vmconf import (
 
 log = logging.getLogger(__name__)
 
-VM_KIND = "proxmox"
-CT_KIND = "lxc"
+VM_KIND = HolderKind.PROXMOX
+CT_KIND = HolderKind.LXC
 VM_DIR = "qemu-server"
 CT_DIR = "lxc"
-PROC_ROOT = Path("/proc")
 POLL_SECONDS = 0.2
 WALK_DEPTH = 2  # /dev/dri/renderD128: a directory source is searched this deep
 
@@ -72,14 +72,15 @@ def ct_config_path(config: Config, vmid: str) -> Path:
     return config.proxmox.config_dir / CT_DIR / f"{vmid}.conf"
 
 
-def proxmox_node(config: Config) -> ProxmoxNode:
-    """The cluster's mappings and this node's reservations, read when asked."""
+def proxmox_node(config: Config, roots: Roots = HOST_ROOTS) -> ProxmoxNode:
+    """The cluster's mappings and this node's reservations, read when asked (a
+    reservation's process is looked for under `roots.proc`)."""
     settings = config.proxmox
     return ProxmoxNode(
         node=settings.node_name,
         mappings=lambda: read_mappings(settings.config_dir),
         reservations=lambda: read_reservations(settings.run_dir),
-        alive=lambda pid: process_alive(PROC_ROOT, ProcessRef(pid)),
+        alive=lambda pid: process_alive(roots.proc, ProcessRef(pid)),
     )
 
 
@@ -290,9 +291,11 @@ class ProxmoxHolders(_Guests):
     directory = VM_DIR
     noun = "VM"
 
-    def __init__(self, config: Config, subject: str | None = None) -> None:
+    def __init__(
+        self, config: Config, subject: str | None = None, roots: Roots = HOST_ROOTS
+    ) -> None:
         super().__init__(config, config.proxmox.qm, subject)
-        self._node = proxmox_node(config)
+        self._node = proxmox_node(config, roots)
 
     def claim_of(self, vmid: str, tokens: Sequence[TokenSpec]) -> VmClaim | None:
         """A VM's claim as it runs now (its reserved mapping entry)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 
-from charly_arbiter.hookio import say, scan_config, stdout_to_stderr
+from charly_arbiter.hookio import guarded, say, scan_config
 
 HANDLED = ("pre-start", "post-start", "post-stop")
 ALWAYS_SUCCEED = ("post-start", "post-stop")
@@ -54,25 +54,13 @@ def main(argv: list[str]) -> int:
     vmid, phase = argv
     if phase not in HANDLED:
         return 0  # post-start, pre-stop, and phases a later Proxmox may add
-    stdout_to_stderr()
-    try:
-        return _dispatch(vmid, phase)
-    except Exception as error:  # the boundary: one sentence, and the right exit code
-        from charly_arbiter.errors import ArbiterError
-
-        code = 1
-        if isinstance(error, ArbiterError):
-            say(str(error), error.hint)
-            code = error.exit_code
-        else:
-            if os.environ.get("CHARLY_ARBITER_DEBUG"):
-                import traceback
-
-                traceback.print_exc()
-            say(f"internal error in the {phase} hook for VM {vmid!r}: {error!r}", None)
-        # Proxmox goes on only on 0: a refused (3), unusable (2) or failed (1) pre-start
-        # aborts the start; a stop is never held back.
-        return 0 if phase in ALWAYS_SUCCEED else code
+    # Proxmox goes on only on 0: a refused (3), unusable (2) or failed (1) pre-start
+    # aborts the start; a stop is never held back.
+    return guarded(
+        lambda: _dispatch(vmid, phase),
+        what=f"the {phase} hook for VM {vmid!r}",
+        lets_go=lambda: phase in ALWAYS_SUCCEED,
+    )
 
 
 def _dispatch(vmid: str, phase: str) -> int:

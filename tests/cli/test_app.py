@@ -12,6 +12,7 @@ Ctrl-C and SIGTERM are real signals sent to a real claim whose switch hangs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -215,6 +216,12 @@ def test_a_signal_during_a_hung_switch_poisons_and_says_what_was_left(
     assert running["container:llm"] and running["systemd:ollama.service"]
 
 
+def _has_open(pid: int, path: str) -> bool:
+    with contextlib.suppress(OSError):
+        return any(os.readlink(fd) == path for fd in Path(f"/proc/{pid}/fd").iterdir())
+    return False
+
+
 def test_a_signal_before_the_claim_began_says_nothing_was_left(sim: SimEnv) -> None:
     """Ctrl-C while the claim waits for the ledger lock (another process holds it): no
     lease was written, and the sentence says so."""
@@ -227,7 +234,12 @@ def test_a_signal_before_the_claim_began_says_nothing_was_left(sim: SimEnv) -> N
             env=sim.env(),
             cwd=REPO,
         )
-        time.sleep(1.5)  # started, and polling the lock (lock_wait is 20 s)
+        # Waited for: the child has the lock file open, polling it (lock_wait is 20 s).
+        lock = str(sim.state_dir / "ledger.lock")
+        deadline = time.monotonic() + 30
+        while not _has_open(child.pid, lock):
+            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+            time.sleep(0.02)
         child.send_signal(signal.SIGINT)
         stdout, stderr = child.communicate(timeout=60)
     assert child.returncode == 1 and stdout == ""

@@ -23,10 +23,13 @@ from simhosts import PF, VF1, default_host, mig_host, sriov_pf, sriov_tokens
 
 from charly_arbiter.cli import COMMANDS
 from charly_arbiter.cli.app import build
-from charly_arbiter.cli.exits import EVERY_COMMAND, HOOKS, TABLE, in_document, rows
+from charly_arbiter.cli.exits import DETACHED, EVERY_COMMAND, HOOKS, TABLE, in_document, rows
+from charly_arbiter.core.config import load_config
 from charly_arbiter.core.host import TokenSpec
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import VFIO, Lease, LeaseState, Mode, Poison
+from charly_arbiter.core.model import VFIO, Lease, LeaseState, Mode, Poison, ProcessRef
+from charly_arbiter.hooksession import DETACHED as STARTED_BY_HOOKS
+from charly_arbiter.hooksession import Handoff
 from charly_arbiter.host.procscan import process_ref
 from charly_arbiter.ops.history import HistoryLog
 from tests.conftest import DEFAULT_CONFIG, REPO, SimEnv
@@ -225,6 +228,16 @@ CASES = [
     C("hook proxmox", 2, ("hook", "proxmox", "100"), says="usage"),
     C("hook proxmox", 2, ("hook", "proxmox", "99", "pre-start"), says="not a Proxmox VMID"),
     C("hook proxmox", 3, ("hook", "proxmox", "100", "pre-start"), "proxmox_held", "exclusively"),
+    # What the hooks start detached, each fed the hand-off a hook writes ({finish}, {watch}).
+    C("_finish-release", 0, ("_finish-release", "{finish}"), says=""),
+    C("_finish-release", 1, ("_finish-release", "{finish}"), "corrupt", "corrupt"),
+    C("_finish-release", 2, ("_finish-release",), says="usage"),
+    C("_finish-release", 3, ("_finish-release", "{finish}"), "in_progress", "acquiring"),
+    C("_finish-release", 2, ("_finish-release", "{{"), says="not JSON"),
+    C("_finish-release", 2, ("_finish-release", "{partial}"), says="lacks"),
+    C("_watch-start", 0, ("_watch-start", "{watch}"), "proxmox_held", says=""),
+    C("_watch-start", 1, ("_watch-start", "{watch}"), "proxmox_corrupt", "corrupt"),
+    C("_watch-start", 2, ("_watch-start", "{finish}", "x"), says="usage"),
 ]
 
 
@@ -291,6 +304,13 @@ def _proxmox_vm(sim: SimEnv, line: str = "hostpci0: 0a:00\n") -> None:
 def _proxmox_held(sim: SimEnv) -> None:
     _proxmox_vm(sim)
     _hold(sim)
+
+
+def _proxmox_corrupt(sim: SimEnv) -> None:
+    """VM 100 of a Proxmox node (its lock directory there) on a corrupt ledger."""
+    _proxmox_vm(sim)
+    (sim.root / "lock").mkdir()
+    _corrupt(sim)
 
 
 def _failing_start(sim: SimEnv) -> None:
@@ -428,6 +448,7 @@ SCENARIOS: dict[str, Callable[[SimEnv], Iterator[None] | None]] = {
     "proxmox_vm": _proxmox_vm,
     "proxmox_bad_vm": lambda sim: _proxmox_vm(sim, "hostpci0: 0A:00.0\n"),
     "proxmox_held": _proxmox_held,
+    "proxmox_corrupt": _proxmox_corrupt,
     "unaccounted_failing": _unaccounted_failing,
     "in_progress": _in_progress,
     "lock_held": _lock_held,
@@ -463,6 +484,11 @@ def _run(sim: SimEnv, case: Case) -> subprocess.CompletedProcess[str]:
         "config": str(sim.config_path),
         "bundle": str(sim.root / "bundle"),
     }
+    if case.command in DETACHED:
+        config = load_config(sim.config_path)
+        words["finish"] = Handoff.of(config, "libvirt:win11", owner=ProcessRef(1)).to_json()
+        words["watch"] = Handoff.of(config, "proxmox:100", created="2026-01-01").to_json()
+        words["partial"] = '{"host": "local"}'
     argv = [arg.format(**words) for arg in case.argv]
     command = [sys.executable, "-m", "charly_arbiter", *argv]
     if case.setup == "read_only":
@@ -498,7 +524,7 @@ def test_every_row_of_the_exit_table(make_sim: Callable[..., SimEnv], case: Case
     assert case.says in said, (case.says, said)
     assert "Traceback" not in said and "internal error" not in said, said
     assert elapsed < 60
-    if case.code and case.command not in HOOKS + REPORTS:
+    if case.code and case.command not in HOOKS + DETACHED + REPORTS:
         assert result.stderr.strip(), "a failure says why on stderr"
 
 
@@ -522,9 +548,9 @@ def _command_tree() -> list[str]:
 def test_the_table_has_rows_for_every_command_and_a_case_for_every_row() -> None:
     commands = _command_tree()
     assert set(COMMANDS) <= set(commands)
-    missing = [command for command in [*commands, *HOOKS] if command not in TABLE]
+    missing = [command for command in [*commands, *HOOKS, *DETACHED] if command not in TABLE]
     assert not missing, f"commands without exit rows in cli/exits.py: {missing}"
-    stale = [command for command in TABLE if command not in [*commands, *HOOKS]]
+    stale = [command for command in TABLE if command not in [*commands, *HOOKS, *DETACHED]]
     assert not stale, f"rows for commands that do not exist: {stale}"
     covered = {(case.command, case.code) for case in CASES}
     untested = [
@@ -534,6 +560,17 @@ def test_the_table_has_rows_for_every_command_and_a_case_for_every_row() -> None
         if (command, row.code) not in covered
     ]
     assert not untested, f"rows no case exercises: {untested}"
+
+
+def test_the_verbs_the_hooks_start_have_rows_and_stay_out_of_help(sim: SimEnv) -> None:
+    """A hook's detached processes are the CLI's hidden verbs: the table holds their
+    rows (the hooks start exactly these), and --help lists none of them."""
+    assert DETACHED == STARTED_BY_HOOKS
+    assert not set(DETACHED) & set(_command_tree())
+    shown = sim.cli("--help")
+    assert shown.returncode == 0 and "_finish" not in shown.stdout and "_watch" not in shown.stdout
+    unknown = sim.cli("_frobnicate", "{}")
+    assert unknown.returncode == 2 and "no such command" in unknown.stderr
 
 
 @pytest.mark.parametrize("command", [c for c in _command_tree() if c != "charly-arbiter"])

@@ -1,4 +1,5 @@
-"""`--host sim:DIR` is self-contained: this machine's /etc/charly-arbiter is never read
+"""The simulated host from the command line: `sim init` and the `sim` commands, and
+`--host sim:DIR` is self-contained: this machine's /etc/charly-arbiter is never read
 and its /var/lib/charly-arbiter never written.
 
 The commands run as real processes in a mount namespace of their own (`unshare -m`,
@@ -22,8 +23,6 @@ import pytest
 
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")
-
 # (argv after `charly-arbiter`, the exit it must have, a piece of what it prints)
 COMMANDS = [
     (["sim", "init", "{dir}"], 0, "keeps its configuration"),
@@ -46,6 +45,7 @@ COMMANDS = [
 ]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")
 def test_a_simulated_host_never_reaches_for_this_machines_files(tmp_path: Path) -> None:
     upper_etc, upper_lib = tmp_path / "etc", tmp_path / "lib"
     for layer in (upper_etc, upper_lib):
@@ -116,3 +116,51 @@ def test_a_simulated_host_never_reaches_for_this_machines_files(tmp_path: Path) 
     assert (directory / "state" / "ledger.toml").is_file()
     assert (directory / "state" / "history.jsonl").is_file()
     assert json.loads(Path(f"{results}.15.out").read_text())["leases"] == []
+
+
+def test_sim_init_makes_a_host_its_commands_stop_start_and_reboot(tmp_path: Path) -> None:
+    """`sim init DIR`, then every command with `--config DIR/arbiter.toml`: `sim show`,
+    `sim stop`/`start` (a claimant's lease strands and comes back), `sim reboot` (a new
+    boot strands it again); a second `sim init` overwrites nothing (exit 3)."""
+    directory = tmp_path / "demo"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHARLY_ARBITER_")}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "charly_arbiter", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=REPO,
+            timeout=60,
+        )
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return run("--config", str(directory / "arbiter.toml"), *args)
+
+    init = run("sim", "init", str(directory))
+    assert init.returncode == 0, init.stderr
+    assert (directory / "host.toml").exists() and (directory / "arbiter.toml").exists()
+    config = directory / "arbiter.toml"
+    assert "claim_grace = 1\n" in config.read_text()
+    # A claimant is judged at once.
+    config.write_text(config.read_text().replace("claim_grace = 1\n", "claim_grace = 0.001\n"))
+    shown = json.loads(cli("sim", "show").stdout)
+    assert shown["running"] == {
+        "container:llm": True,
+        "systemd:display-manager.service": True,
+    }
+    boot = shown["boot_id"]
+    assert cli("acquire", "--exclusive", "libvirt:win11", "gpu0").returncode == 0
+    assert cli("sim", "stop", "libvirt:win11").returncode == 0
+    assert json.loads(cli("status", "--json").stdout)["stranded"] == ["libvirt:win11"]
+    assert cli("sim", "start", "libvirt:win11").returncode == 0
+    assert json.loads(cli("status", "--json").stdout)["stranded"] == []
+    assert cli("sim", "reboot").returncode == 0
+    assert json.loads(cli("sim", "show").stdout)["boot_id"] != boot
+    assert json.loads(cli("status", "--json").stdout)["stranded"] == ["libvirt:win11"]
+    assert cli("restore", "--stranded").returncode == 0
+    again = run("sim", "init", str(directory))
+    assert again.returncode == 3 and "exists" in again.stderr  # refused: nothing overwritten
+    local = cli("--host", "local", "sim", "show")
+    assert local.returncode == 2 and "sim:DIR" in local.stderr

@@ -1,9 +1,11 @@
-"""`status`'s table (cli/status.py) with names as long and as wide as claimants may have:
-the columns stay aligned by display width (a CJK character takes two columns), and a
+"""`status` (cli/status.py): its JSON alone on stdout, what runs on each token of a
+fresh host, and its table with names as long and as wide as claimants may have: the
+columns stay aligned by display width (a CJK character takes two columns), and a
 cell too wide for its column gets a line of its own instead of pushing the rest."""
 
 from __future__ import annotations
 
+import json
 import unicodedata
 from collections.abc import Callable
 
@@ -45,3 +47,33 @@ def test_display_width_counts_wide_characters_twice_and_marks_not_at_all() -> No
     assert width("虚拟机") == 6
     assert width("e\u0301") == 1  # e and a combining acute accent
     assert MAX_CELL < 200
+
+
+def test_status_json_is_the_only_thing_on_stdout(sim):
+    sim.cli("acquire", "--shared", "container:llm", "gpu0", check=True)
+    result = sim.cli("status", "--json")
+    assert result.returncode == 0 and result.stderr == ""
+    document = json.loads(result.stdout)
+    assert document["leases"][0]["claimant"] == "container:llm"
+    human = sim.cli("status")
+    assert human.returncode == 0 and human.stderr == ""
+    assert "container:llm" in human.stdout and "gpu0" in human.stdout
+
+
+def test_status_of_a_fresh_host_says_what_runs_on_each_token(sim):
+    """gpu0's holders may be stopped for a claim: idle.  gpu1's display manager may not:
+    in use (a token whose holder is not preemptible is not idle)."""
+    document = sim.status()
+    assert document["leases"] == [] and document["stranded"] == []
+    assert {name: token["mode"] for name, token in document["tokens"].items()} == {
+        "gpu0": "idle",
+        "gpu1": "in-use",
+    }
+    human = sim.cli("status", check=True).stdout
+    assert (
+        "used by systemd:display-manager.service without a lease "
+        "(not preemptible: exclusive claims are refused)"
+    ) in human
+    assert "used by container:llm without a lease (preemptible: an exclusive claim stops it)" in (
+        human
+    )

@@ -42,6 +42,17 @@ def bind_by_hand(sim_dir: Path, drivers: Mapping[str, str]) -> None:
         os.close(lock)
 
 
+# The crash points of a ledger write, in order (core/ledger.py's `crashpoint` calls):
+# a kill -9 at each must leave the previous generation or the new one, never less.
+LEDGER_STEPS = (
+    "ledger.open_temp",
+    "ledger.write_half",
+    "ledger.write_all",
+    "ledger.fsync_temp",
+    "ledger.backup",
+    "ledger.rename",
+    "ledger.fsync_dir",
+)
 HOLDER_REFS = ("container:llm", "systemd:ollama.service", "systemd:display-manager.service")
 HOME = {"0000:0a:00.0": "nvidia", "0000:0a:00.1": "snd_hda_intel", "0000:0b:00.0": "nvidia"}
 TOKEN_FUNCTIONS = {"gpu0": ("0000:0a:00.0", "0000:0a:00.1"), "gpu1": ("0000:0b:00.0",)}

@@ -20,16 +20,19 @@ every step.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from charly_arbiter.core import arbiter as arbiter_module
-from charly_arbiter.core import crashpoints
+from charly_arbiter.core import crashpoints, liveness
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import load_config
 from charly_arbiter.core.ledger import Ledger
@@ -98,12 +101,49 @@ class _Thread:
     thread: threading.Thread | None = None
 
 
-class Scheduler:
-    """Runs the operations' threads one at a time, switching only at yield points."""
+class LogicalClock:
+    """Time that moves only when it is told to: `sleep` moves it (by half a second at
+    least, so that a poll loop always gets on) and returns at once.  `monotonic` is
+    what a wait measures itself by; `time` and `now` are the wall clock it stands for
+    (a lease's timestamps, the age claim_grace is measured by), from the moment the
+    clock was made.  `installed` puts it where the arbiter reads the time."""
 
     def __init__(self) -> None:
-        self.threads: list[_Thread] = []
         self.clock = 1000.0
+        self._wall = time.time() - self.clock
+
+    def monotonic(self) -> float:
+        return self.clock
+
+    def sleep(self, seconds: float) -> None:
+        self.clock += max(seconds, 0.5)
+
+    def time(self) -> float:
+        return self._wall + self.clock
+
+    def now(self) -> str:
+        return datetime.fromtimestamp(self.time(), UTC).astimezone().isoformat(timespec="seconds")
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[LogicalClock]:
+        """The arbiter's waits, its lease timestamps and liveness's ages read this clock."""
+        saved = arbiter_module.time, arbiter_module.now, liveness.time
+        arbiter_module.time = self  # type: ignore[assignment]
+        arbiter_module.now = self.now
+        liveness.time = self  # type: ignore[assignment]
+        try:
+            yield self
+        finally:
+            arbiter_module.time, arbiter_module.now, liveness.time = saved
+
+
+class Scheduler(LogicalClock):
+    """Runs the operations' threads one at a time, switching only at yield points; a
+    thread's sleep moves the logical clock and lets another thread run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[_Thread] = []
         self.world: World | None = None
         self.dead: set[int] = set()
         self._by_ident: dict[int, _Thread] = {}
@@ -139,11 +179,8 @@ class Scheduler:
                 item.crash = True
                 self.dead.add(item.pid)
 
-    def monotonic(self) -> float:
-        return self.clock
-
     def sleep(self, seconds: float) -> None:
-        self.clock += max(seconds, 0.5)
+        super().sleep(seconds)
         self.at("sleep")
 
     # -- seen from the exploring thread -------------------------------------------------

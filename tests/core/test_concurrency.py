@@ -66,6 +66,7 @@ from simhosts import audio, gpu, host
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Lease, LeaseState, LedgerState, Mode
 from charly_arbiter.host.sim import SimHost
+from tests.conftest import sim_config
 
 TOKENS = ("gpu0", "gpu1", "gpu2", "gpu3")
 TOKEN_FUNCTIONS = {
@@ -105,27 +106,9 @@ HOST = host(
     simhosts.holder("systemd", "train.service", ["gpu2", "gpu3"], preemptible=True),
     simhosts.holder("container", "jupyter", ["gpu3"], preemptible=True),
 )
-CONFIG = """
-host = "sim:{sim}"
-state_dir = "{state}"
-
-[timeouts]
-lock_wait = 20
-driver_switch = 2
-claim_grace = 0.001
-
-[tokens.gpu0]
-address = "0000:0a:00.0"
-
-[tokens.gpu1]
-address = "0000:0b:00.0"
-
-[tokens.gpu2]
-address = "0000:41:00.0"
-
-[tokens.gpu3]
-address = "0000:42:00.0"
-"""
+CONFIG = sim_config(
+    gpu0="0000:0a:00.0", gpu1="0000:0b:00.0", gpu2="0000:41:00.0", gpu3="0000:42:00.0"
+)
 
 # The worker plays the claimant saying it is done; the host would call it running.
 RELEASE = ("release", "--force")
@@ -162,7 +145,7 @@ def test_claimants_in_concurrent_processes(make_sim, tmp_path):
 
 @pytest.mark.slow
 def test_claimants_in_concurrent_processes_long(make_sim, tmp_path):
-    """The size of issue 9: 39 claimants in 13 processes for 75 s."""
+    """39 claimants in 13 processes for 75 s (the size issue 9 asked for)."""
     stress(make_sim, tmp_path, LONG)
 
 

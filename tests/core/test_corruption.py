@@ -127,7 +127,7 @@ MUTATIONS = (
 
 
 def test_a_corrupt_ledger_is_never_repaired_from_its_backup(sim):
-    """Issue 9: with a VM holding a GPU and one bit of the ledger flipped, `restore
+    """Before (issue 9): with a VM holding a GPU and one bit of the ledger flipped, `restore
     --stranded` moved the file aside, continued from the backup (one generation
     old, the lease still `acquiring` by a dead pid) and sent the GPU home under
     the running VM.  Now every mutating command fails closed (I4): the ledger,

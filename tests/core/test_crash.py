@@ -12,19 +12,18 @@ from __future__ import annotations
 import signal
 
 import pytest
-from coretools import HOLDER_REFS, HOME, assert_converged, host_state, ledger_bytes, read_ledger
+from coretools import (
+    HOLDER_REFS,
+    HOME,
+    LEDGER_STEPS,
+    assert_converged,
+    host_state,
+    ledger_bytes,
+    read_ledger,
+)
 
 from charly_arbiter.core.model import LeaseState, Mode
 
-LEDGER_STEPS = (
-    "ledger.open_temp",
-    "ledger.write_half",
-    "ledger.write_all",
-    "ledger.fsync_temp",
-    "ledger.backup",
-    "ledger.rename",
-    "ledger.fsync_dir",
-)
 ACQUIRE_STEPS = (
     "acquire.intent",
     "acquire.stop",

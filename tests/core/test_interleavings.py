@@ -223,8 +223,8 @@ def test_exclusive_claim_against_the_release_of_the_shared_claimant_it_preempts(
 
 
 def test_release_that_reinstates_a_shared_claimant_against_a_new_exclusive_claim():
-    """Issue 9, defect 2: the preempted shared claimant must never come back beside a
-    new exclusive lease, and the GPU never stay on vfio-pci under a shared lease."""
+    """The preempted shared claimant must never come back beside a new exclusive
+    lease, and the GPU never stay on vfio-pci under a shared lease (issue 9, defect 2)."""
     run(
         lambda w: start_with(
             w,
@@ -273,8 +273,8 @@ def test_a_release_bringing_back_a_claimant_that_a_claim_elsewhere_stops(preempt
     "preemptions", [1, pytest.param(2, marks=pytest.mark.slow)], ids=["1-preemption", "2"]
 )
 def test_a_vm_destroyed_and_started_at_once_with_a_third_vm(preemptions):
-    """Issue 9, defect 1: the hook's release (and its detached finish) against the same
-    VM's prepare and a third VM's: the VM that runs always has its lease."""
+    """The hook's release (and its detached finish) against the same VM's prepare and
+    a third VM's: the VM that runs always has its lease (issue 9, defect 1)."""
 
     def finish(outcome: Outcome) -> None:
         assert "libvirt:a-prepare" in outcome.errors, (outcome.errors, outcome.choices)

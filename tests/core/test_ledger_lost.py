@@ -16,6 +16,7 @@ import shutil
 
 import pytest
 from coretools import assert_converged, check_invariants, host_state, ledger_bytes
+from handoffs import wait_for_handoffs
 from simhosts import audio, gpu, holder, host
 from test_safety import domain_xml, hook
 
@@ -24,6 +25,7 @@ from charly_arbiter.core.config import load_config
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import LeaseState, Mode
 from charly_arbiter.ops.history import HistoryLog
+from tests.conftest import SIM_CONFIG
 
 GPU0, AUDIO0 = "0000:0a:00.0", "0000:0a:00.1"
 
@@ -151,6 +153,7 @@ def test_recover_then_adopt_gives_the_vm_its_lease_and_its_holders_a_way_back(si
     # The VM stops: its hook releases the adopted lease, and everything comes back.
     sim.stopped("libvirt:win11", "container:batch")
     assert hook(sim, "win11", "release", "end", "-", domain_xml("win11", GPU0)).returncode == 0
+    wait_for_handoffs(sim.state_dir)  # the hook's detached finish
     sim.cli("restore", "--stranded", check=True)
     assert_converged(sim)
     assert Ledger(sim.state_dir).read().leases == ()
@@ -216,10 +219,8 @@ def test_without_a_configuration_a_gpu_bound_at_boot_is_adopted_as_the_administr
     """Every GPU is a token then: one on vfio-pci with no lease is refused until the
     operator says it is there on purpose; then it is passed through as it is, stays on
     vfio-pci after a release, and is never shared."""
-    from test_tokens import BASE
-
     sim = make_sim(
-        host(gpu(GPU0, group=12), gpu("0000:0c:00.0", group=14, driver="vfio-pci")), BASE
+        host(gpu(GPU0, group=12), gpu("0000:0c:00.0", group=14, driver="vfio-pci")), SIM_CONFIG
     )
     token = "0000:0c:00.0"
     assert sim.status()["tokens"][token]["mode"] == "unaccounted"

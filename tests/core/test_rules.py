@@ -1,6 +1,6 @@
 """Every rule of the issue, carried out by the real Arbiter on the simulated host.
 
-In-process (fast); the CLI's own behaviour is in test_cli.py.  The simulated
+In-process (fast); the CLI's own behaviour is in tests/cli.  The simulated
 host is the real file-backed one, so each effect is read back from its state."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from coretools import (
     host_toml,
     ledger_bytes,
 )
+from interleave import LogicalClock
 from simhosts import holder
 
 from charly_arbiter.core.model import VFIO, LeaseState, Mode, StepState
@@ -101,7 +102,7 @@ def test_shared_refcount_first_switches_home_later_only_count(make_sim):
 
 
 def test_a_gpu_found_on_vfio_with_no_home_is_refused_or_sent_to_its_default(make_sim):
-    """Issue 11: a shared claim used to be granted with the GPU left on no driver.
+    """A shared claim used to be granted with the GPU left on no driver (issue 11).
 
     Found on vfio-pci with no lease, it is refused until an operator decides (issue
     17); sent home, it goes to the driver this host would bind it to, or to none."""
@@ -276,18 +277,23 @@ def test_stranded_by_dead_claimant(sim):
 
 
 def test_claim_grace_counts_from_activation(make_sim):
+    """On the logical clock (tests/core/interleave.py): the grace passes when the test
+    moves the clock past it, not after seconds spent waiting."""
     sim = make_sim(host_toml())
     config = sim.config_path.read_text()
     sim.config_path.write_text(config.replace("claim_grace = 0.001", "claim_grace = 2"))
     sim.host().set_running("libvirt:win11", False)  # a VM between prepare and start
-    sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"])
-    assert sim.arbiter().status().stranded == ()
-    time.sleep(2.2)
-    assert sim.arbiter().status().stranded == ("libvirt:win11",)
-    # The VM starts again without having released: the same claim is already
-    # held, and its grace starts over.
-    assert sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"]).already_held
-    assert sim.arbiter().status().stranded == ()
+    with LogicalClock().installed() as clock:
+        sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"])
+        assert sim.arbiter().status().stranded == ()
+        clock.sleep(1)  # within the grace (a lease's time is to the second)
+        assert sim.arbiter().status().stranded == ()
+        clock.sleep(2.2)
+        assert sim.arbiter().status().stranded == ("libvirt:win11",)
+        # The VM starts again without having released: the same claim is already
+        # held, and its grace starts over.
+        assert sim.arbiter().acquire("libvirt:win11", EXCL, ["gpu0"]).already_held
+        assert sim.arbiter().status().stranded == ()
 
 
 def test_stranded_by_reboot_and_transient(sim):
@@ -388,8 +394,8 @@ def cdi_generations(sim):
 
 
 def test_the_cdi_spec_follows_every_switch_either_way(sim):
-    """Issue 11: after the switch to vfio-pci too (a container must not be handed a GPU
-    that has left), and again when it is back home."""
+    """After the switch to vfio-pci too (a container must not be handed a GPU that has
+    left), and again when it is back home (issue 11)."""
     arbiter = sim.arbiter()
     before = cdi_generations(sim)
     arbiter.acquire("libvirt:win11", EXCL, ["gpu0"])

@@ -1,4 +1,5 @@
-"""Issue 9's defects, one test each, on the simulated host with the real CLI and hook.
+"""Safety defects found once (issue 9), one test each, on the simulated host with the
+real CLI and hook.
 
 Each of these failed on the code before the fix: the comment on each says what
 it found then.  The invariants (tests/invariants.py) are checked after every
@@ -228,15 +229,22 @@ def _unfinished_lease_by(
         txn.state = txn.state.with_lease(replace(lease, state=state).owned_by(writer))
 
 
+def _process_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rpartition(")")[2].split()[0]
+
+
 def test_a_zombie_writer_is_dead(sim):
     """Before: kill(pid, 0) succeeds for a zombie, so its lease stayed "in progress"
     and `restore` refused until the zombie was reaped."""
     sim.arbiter().acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
     zombie = subprocess.Popen(["/bin/true"])
     try:
-        time.sleep(0.3)  # exited, not reaped: a zombie
-        with open(f"/proc/{zombie.pid}/stat") as stat:
-            assert stat.read().rpartition(")")[2].split()[0] == "Z"
+        # Exited, not reaped: a zombie (waited for, not slept for).
+        deadline = time.monotonic() + 30
+        while _process_state(zombie.pid) != "Z":
+            assert time.monotonic() < deadline, "/bin/true never exited"
+            time.sleep(0.01)
         _unfinished_lease_by(sim, ProcessRef(zombie.pid))
         sim.stopped("libvirt:win11")
         assert "libvirt:win11" in sim.status()["stranded"]

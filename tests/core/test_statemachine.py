@@ -43,6 +43,7 @@ from typing import Any
 
 import pytest
 from coretools import HOME as GPU_HOME
+from coretools import LEDGER_STEPS as WRITE_STEPS
 from coretools import bind_by_hand, ledger_bytes
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -115,16 +116,8 @@ WORKFLOW_STEPS = (
     "release.start",
     "release.restored",
 )
-LEDGER_STEPS = (
-    "ledger.unlocked",
-    "ledger.open_temp",
-    "ledger.write_half",
-    "ledger.write_all",
-    "ledger.fsync_temp",
-    "ledger.backup",
-    "ledger.rename",
-    "ledger.fsync_dir",
-)
+# A kill -9 where the lock has just been let go, and at each step of a ledger write.
+LEDGER_STEPS = ("ledger.unlocked", *WRITE_STEPS)
 CONFIG = """
 host = "sim:{sim}"
 state_dir = "{state}"

@@ -20,24 +20,11 @@ from simhosts import audio, default_host, gpu, holder, host
 from charly_arbiter.core import planner, tokens
 from charly_arbiter.core.model import VFIO, Mode
 from charly_arbiter.errors import ClaimRefused, TokensOverlap
+from tests.conftest import SIM_CONFIG, sim_config
 
 GPU0, AUDIO0, GPU1 = "0000:0a:00.0", "0000:0a:00.1", "0000:0b:00.0"
 
-BASE = """
-host = "sim:{sim}"
-state_dir = "{state}"
-
-[timeouts]
-lock_wait = 20
-driver_switch = 2
-claim_grace = 0.001
-"""
-
-
-def config(**named: str) -> str:
-    return BASE + "".join(
-        f'\n[tokens.{name}]\naddress = "{address}"\n' for name, address in named.items()
-    )
+config = sim_config
 
 
 # Two GPUs behind one bridge without ACS: one IOMMU group (12) for both.
@@ -98,7 +85,7 @@ def test_without_a_configuration_two_gpus_in_one_group_are_one_token(make_sim):
     """They can only leave the host together, so they are not two tokens: one, named
     after the first GPU, with every function of the group; doctor says so, and an
     exclusive claim is refused (the group has another card's functions)."""
-    sim = make_sim(ONE_GROUP, BASE)
+    sim = make_sim(ONE_GROUP, SIM_CONFIG)
     document = sim.status()
     assert list(document["tokens"]) == [GPU0]
     assert set(document["tokens"][GPU0]["drivers"]) == {GPU0, AUDIO0, GPU1}
@@ -111,7 +98,7 @@ def test_without_a_configuration_two_gpus_in_one_group_are_one_token(make_sim):
     refused = sim.cli("acquire", "--exclusive", "libvirt:a", GPU0)
     assert refused.returncode == 3 and f"also holds {GPU1}" in refused.stderr
     # One GPU per group stays one token per GPU, as before.
-    plain = make_sim(default_host(), BASE, name="plain")
+    plain = make_sim(default_host(), SIM_CONFIG, name="plain")
     assert list(plain.status()["tokens"]) == [GPU0, GPU1]
 
 
@@ -185,8 +172,9 @@ def test_a_token_named_after_its_address_is_no_mig_sub_token(make_sim):
     from charly_arbiter.errors import MigInvalid
 
     sim = make_sim(config='host = "sim:{sim}"\nstate_dir = "{state}"\n')
-    catalogue = sim.arbiter().tokens
+    arbiter = sim.arbiter()
+    catalogue, mig = arbiter.tokens, arbiter.host.mig
     names = ["0000:0a:00.0", "0000:0b:00.0"]
-    assert catalogue.parent_names(names, Mode.EXCLUSIVE) == names
+    assert catalogue.parent_names(names, Mode.EXCLUSIVE, mig) == names
     with pytest.raises(MigInvalid, match=r"0000:0a:00\.0 has no MIG instance 1"):
-        catalogue.parent_names(["0000:0a:00.0:1"], Mode.SHARED)
+        catalogue.parent_names(["0000:0a:00.0:1"], Mode.SHARED, mig)

@@ -10,6 +10,7 @@ from fakesys import FakeKernel, gpu_with_audio
 
 from charly_arbiter.core.config import Config, Timeouts, TokenConfig
 from charly_arbiter.host.local import LocalHost
+from charly_arbiter.host.sysfs import Roots
 
 GPU = "0000:0a:00.0"
 AUDIO = "0000:0a:00.1"
@@ -42,8 +43,7 @@ def make_host(tmp_path: Path, kernel: FakeKernel) -> Callable[..., LocalHost]:
         config = make_config(tmp_path, **changes)
         return LocalHost(
             config,
-            sys_root=kernel.sys,
-            dev_root=kernel.dev,
+            roots=Roots(sys=kernel.sys, dev=kernel.dev),
             writer=kernel.write,
             sources={},
             isolate_writes=isolate_writes,

@@ -1,5 +1,5 @@
-"""Issue 11: a GPU that drives the host's console or display is refused with what runs
-on it, unless `console = "release"` says how to free it.
+"""A GPU that drives the host's console or display is refused with what runs on it,
+unless `console = "release"` says how to free it (issue 11).
 
 The fake tree models what the kernel shows (Linux 6.x): the DRM driver's fbdev
 framebuffer (`/sys/class/graphics/fbN`, its `device` the GPU) while the GPU is on

@@ -80,7 +80,7 @@ def test_detect_runs_on_this_machine(tmp_path):
 
 
 def test_the_cdi_check_says_whether_the_spec_is_missing_stale_or_fresh(tmp_path):
-    """Issue 11: the spec must exist and be newer than the last switch of a CDI token."""
+    """The spec must exist and be newer than the last switch of a CDI token (issue 11)."""
     from datetime import UTC, datetime, timedelta
 
     from charly_arbiter.ops.doctor import Level, cdi_check

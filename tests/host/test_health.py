@@ -1,4 +1,4 @@
-"""Issue 11: health after coming home.  A GPU that went home but does not answer
+"""Health after coming home (issue 11).  A GPU that went home but does not answer
 (its configuration space reads all ones: it fell off the bus after a reset it did
 not survive) or that the nvidia driver bound without initialising it (NVML does
 not list it; NVML is the fake pynvml of fakenvml.py) is poisoned, with what to try."""

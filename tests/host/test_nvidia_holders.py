@@ -1,4 +1,4 @@
-"""Issue 11: NVIDIA hosts as they are, at the outermost seams.
+"""NVIDIA hosts as they are, at the outermost seams (issue 11).
 
 No NVIDIA driver runs here, so its three faces are modelled from its documented
 behaviour: the nodes it creates (fake /dev files of the fake tree: `/dev/nvidiaN`
@@ -29,6 +29,7 @@ from charly_arbiter.core.model import VFIO, Mode
 from charly_arbiter.errors import ClaimRefused
 from charly_arbiter.host.holders.nvidia import NvidiaPersistence
 from charly_arbiter.host.local import LocalHost
+from charly_arbiter.host.sysfs import Roots
 
 GPU0, AUDIO0, GPU1 = "0000:0a:00.0", "0000:0a:00.1", "0000:41:00.0"
 DRIVER_WIDE = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
@@ -95,9 +96,7 @@ def host_for(kernel: FakeKernel, proc: FakeProc, tmp_path: Path, **config: objec
     fields.update(config)
     return LocalHost(
         Config(**fields),  # type: ignore[arg-type]
-        sys_root=kernel.sys,
-        proc_root=proc.root,
-        dev_root=kernel.dev,
+        roots=Roots(sys=kernel.sys, proc=proc.root, dev=kernel.dev),
         writer=kernel.write,
         sources={},
         isolate_writes=False,

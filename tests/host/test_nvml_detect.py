@@ -137,8 +137,8 @@ def test_memlock_is_compared_with_the_vm_size(make_host):
 
 
 def test_detect_reports_reset_methods_and_foreign_group_members(tmp_path, make_host, kernel):
-    """Issue 11: each function's reset_method, and a GPU whose group holds a device that
-    is not one of its functions (a NIC behind the same switch) is not viable."""
+    """Each function's reset_method, and a GPU whose group holds a device that is not
+    one of its functions (a NIC behind the same switch) is not viable (issue 11)."""
     kernel.add(FakeDevice("0000:0c:00.0", "8086", "15f3", "020000", None, "13", reset_method=""))
     result = detect(make_host())
     by_address = {f.address: f for f in result.functions}

@@ -255,12 +255,23 @@ def test_an_isolated_hanging_write_strands_only_the_child(kernel, tmp_path):
 def test_an_unbind_that_returns_after_the_timeout_is_not_followed_by_a_probe(kernel):
     kernel.hang_unbind.add("nvidia")
     switch = switcher(kernel, timeout=0.2)
+    before = set(threading.enumerate())
     with pytest.raises(SwitchHung):
         switch.switch({GPU: "vfio-pci"})
     kernel.release.set()  # the kernel lets go late; the abandoned thread finishes the unbind
-    deadline = time.monotonic() + 5
-    while kernel.driver_of(GPU) is not None and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.1)
+    for abandoned in set(threading.enumerate()) - before:
+        abandoned.join(5)
+        assert not abandoned.is_alive(), abandoned
     assert kernel.driver_of(GPU) is None
     assert ("bus/pci/drivers_probe", GPU) not in kernel.writes
+
+
+def test_the_hooks_fast_paths_look_where_the_host_roots_are() -> None:
+    """The fast paths import nothing, so they spell this machine's roots again: the
+    same ones Roots gives every host, holder source and hook session."""
+    from charly_arbiter.host.sysfs import HOST_ROOTS
+    from charly_arbiter.libvirt import hook as libvirt_hook
+    from charly_arbiter.oci import hook as oci_hook
+
+    assert Path(libvirt_hook.SYS_ROOT) == HOST_ROOTS.sys == Path(oci_hook.SYS_ROOT)
+    assert Path(oci_hook.PROC_ROOT) == HOST_ROOTS.proc

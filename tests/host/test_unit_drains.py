@@ -35,8 +35,8 @@ from charly_arbiter.core.host import TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Mode
 from charly_arbiter.errors import HolderError
+from charly_arbiter.host.draining import Drained
 from charly_arbiter.host.holders.systemd import SystemdHolders
-from charly_arbiter.host.local import LocalHost
 
 GPU = "0000:0a:00.0"
 HIERARCHY = Path("/sys/fs/cgroup/systemd")
@@ -104,8 +104,9 @@ def server(kernel, unit) -> Iterator[subprocess.Popen[str]]:
 
 
 @pytest.fixture
-def unit_host(tmp_path: Path, make_host, unit) -> Callable[..., LocalHost]:
-    """A LocalHost whose systemd source lists the unit (preemptible), with `changes`."""
+def unit_host(tmp_path: Path, make_host, unit) -> Callable[..., Drained]:
+    """A LocalHost whose systemd source lists the unit (preemptible), with `changes`,
+    and the drains around it (as compose.open_host gives it)."""
     state = tmp_path / "units"
     state.mkdir()
     (state / unit).touch()  # it runs
@@ -113,18 +114,18 @@ def unit_host(tmp_path: Path, make_host, unit) -> Callable[..., LocalHost]:
     systemctl.write_text(SYSTEMCTL.format(state=state))
     systemctl.chmod(0o755)
 
-    def make(**keys: object) -> LocalHost:
+    def make(**keys: object) -> Drained:
         listed = HolderConfig(f"systemd:{unit}", ("gpu0",), preemptible=True, **keys)  # type: ignore[arg-type]
         timeouts = Timeouts(driver_switch=1.0, holder_stop=2.0, lock_wait=5.0, holder_drain=2.0)
         host = make_host(holders=(listed,), timeouts=timeouts)
         host.registry.factories["systemd"] = lambda config: SystemdHolders(config, str(systemctl))
         host.registry.kinds = ("systemd",)
-        return host
+        return Drained(host, host.config)
 
     return make
 
 
-def token(host: LocalHost) -> TokenSpec:
+def token(host: Drained) -> TokenSpec:
     return TokenSpec("gpu0", GPU, tuple(host.token_functions("gpu0", GPU)))
 
 
@@ -179,6 +180,17 @@ def test_a_drain_in_place_lets_go_keeps_running_and_comes_back_ready(
     assert kernel.driver_of(GPU) == "nvidia"
     assert holds(server, node), "its ready command did not run"
     assert host.is_running(f"systemd:{unit}")
+
+
+def test_a_drained_units_process_that_holds_the_gpu_again_is_a_holder_of_its_own(
+    unit_host, server, unit
+) -> None:
+    """Drained, the unit does not hold its GPU: a process of its that opened the GPU's
+    node again is no longer covered by the unit, and is a holder of its own."""
+    host = unit_host(stop="drain", drain=("/bin/true",))
+    host.drains._mark(f"systemd:{unit}")
+    found = [(holder.ref, holder.running) for holder in host.holders([token(host)])]
+    assert found == [(f"process:{server.pid}", True), (f"systemd:{unit}", False)]
 
 
 def test_a_drain_that_does_not_let_go_fails_naming_what_holds_the_gpu(

@@ -353,7 +353,7 @@ def facts(token: str, name: str | None = None) -> dict[str, Any]:
 
 
 def finish_release_running() -> list[int]:
-    """Detached releases (hookrun `finish-release`) still at work."""
+    """Detached releases (`charly-arbiter _finish-release`) still at work."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -361,7 +361,7 @@ def finish_release_running() -> list[int]:
                 argv = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if b"finish-release" in argv:
+            if b"_finish-release" in argv:
                 pids.append(int(entry.name))
     return pids
 

@@ -93,7 +93,7 @@ def test_detect_sees_both_functions_in_one_group(guest):
 
 
 def test_the_console_on_the_gpu_refuses_it_or_is_released_and_given_back(guest):
-    """Issue 11, on the real kernel: fbcon draws on bochs-drm's fb0."""
+    """On the real kernel: fbcon draws on bochs-drm's fb0 (issue 11)."""
     no_errors(guest, "console")
     console = guest["console_scenario"]
     assert console["fbcon_before"] == "1"

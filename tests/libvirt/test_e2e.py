@@ -1,7 +1,7 @@
 """End to end on a real libvirtd: real QEMU/TCG domains, the real hook, the real CLI.
 
 Each scenario asserts the ledger (through `status --json`) and which domains
-run.  The PCI side is simulated (tests/libvirt/conftest.py).
+run.  The PCI side is simulated (tests/libvirt/libvirtd.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.libvirt.conftest import Libvirt, claim
+from tests.libvirt.libvirtd import Libvirt, claim
 
 pytestmark = [pytest.mark.slow, pytest.mark.libvirt]
 
@@ -94,7 +94,7 @@ def test_second_exclusive_claimant_is_refused_and_its_release_touches_nothing(
     assert f"libvirt:{second} cannot claim gpu0" in refused.stderr
     assert f"held exclusively by libvirt:{first}" in refused.stderr
     assert lv.running() == {first}
-    time.sleep(1)  # a detached release would have had time to act by now
+    lv.settle()  # the refused domain's release hook, and anything it handed off, ended
     assert lv.ledger_text() == before
     lease = lv.leases()[f"libvirt:{first}"]
     assert (lease["mode"], lease["state"], lease["tokens"]) == ("exclusive", "active", ["gpu0"])
@@ -169,9 +169,8 @@ def test_qemu_dying_while_libvirtd_is_down_strands_the_lease_until_restore(
     lv.stop_libvirtd()
     os.kill(pid, signal.SIGKILL)
     lv.wait_for("QEMU to die", lambda: not os.path.exists(f"/proc/{pid}/cmdline"))
-    time.sleep(3.5)  # past claim_grace
-    status = lv.status()
-    assert status["stranded"] == [f"libvirt:{vm}"]
+    # Stranded once claim_grace has passed: waited for, as status says it.
+    lv.wait_for("the lease to strand", lambda: lv.status()["stranded"] == [f"libvirt:{vm}"])
     assert "STRANDED" in lv.cli("status").stdout
 
     lv.start_daemons()

@@ -17,6 +17,7 @@ from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState, StoppedHolder
 from charly_arbiter.errors import HolderError
 from charly_arbiter.host.markers import is_acting
+from charly_arbiter.host.sysfs import Roots
 from charly_arbiter.libvirt.domains import LibvirtHolders
 
 libvirt = pytest.importorskip("libvirt")
@@ -151,7 +152,7 @@ def test_with_libvirtd_unreachable_liveness_comes_from_qemu_processes(
         libvirt_uri="qemu+unix:///system?socket=/nonexistent/libvirt-sock",
         timeouts=config.timeouts,
     )
-    source = LibvirtHolders(down, proc_root=proc)
+    source = LibvirtHolders(down, roots=Roots(proc=proc))
     assert source.is_running("libvirt:win,11")
     assert not source.is_running("libvirt:win")
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.libvirt.conftest import Libvirt, claim
+from tests.libvirt.libvirtd import Libvirt, claim
 
 pytestmark = [pytest.mark.slow, pytest.mark.libvirt]
 

@@ -1,8 +1,8 @@
-"""Issue 9 on a real libvirtd: restarting a passthrough VM back to back, and parallel starts.
+"""Restarting a passthrough VM back to back, and parallel starts, on a real libvirtd (issue 9).
 
 `virsh destroy X && virsh start X`, where X's exclusive claim stopped a holder:
 X's `release` hook hands the holder's restart to a detached process
-(hook.py `finish-release`), and X's `prepare` runs while that process may
+(`charly-arbiter _finish-release`), and X's `prepare` runs while that process may
 still be at work on X's lease.  Whatever the timing, after `virsh start X`
 either X runs with a fresh active exclusive lease (the holder stopped and
 recorded in it, the GPU on vfio-pci), or the start failed with a message and
@@ -27,7 +27,7 @@ import pytest
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import VFIO, LeaseState, LedgerState, Mode
 from tests.invariants import HostFacts, assert_converged, violations
-from tests.libvirt.conftest import PROGRAMS, URI, Libvirt, claim, log
+from tests.libvirt.libvirtd import PROGRAMS, URI, Libvirt, claim, log
 
 pytestmark = [pytest.mark.slow, pytest.mark.libvirt]
 
@@ -126,7 +126,7 @@ def warnings_since(lv: Libvirt, mark: int) -> list[str]:
 def test_destroy_and_start_back_to_back_never_leaves_the_vm_without_its_lease(
     lv: Libvirt,
 ) -> None:
-    """Issue 9: X restarted with no pause while its release restarts the holder."""
+    """X restarted with no pause while its release restarts the holder (issue 9)."""
     holder = lv.define("loop-holder", SHARED_HOLDER)
     vm = lv.define("loop-x", EXCLUSIVE)
     third = lv.define("loop-y", EXCLUSIVE)

@@ -1,7 +1,7 @@
 """Containers listed in arbiter.toml, through their runtime's CLI.
 
 The CLI is the outermost seam: a small script stands in for `docker` (CI has
-Podman, not Docker; tests/containers runs real Podman containers), keeping the
+Podman, not Docker; tests/oci runs real Podman containers), keeping the
 container's state in a file and recording each argv, so the tests check the
 real subprocess path: absolute program, argv list, `--` before the name.
 

@@ -105,7 +105,12 @@ def test_a_long_step_shows_the_seconds_it_has_waited():
     stream = io.StringIO()
     progress = Progress(stream, terminal=True)
     progress("stopping", {"claimant": "libvirt:win11", "holder": "libvirt:old", "how": "shutdown"})
-    time.sleep(1.3)
+    # Waited for, not slept for: the ticker's second redraw (it redraws every half
+    # second), so the step has lasted a second.
+    deadline = time.monotonic() + 30
+    while len(re.findall(r"… \d+ s", stream.getvalue())) < 2:
+        assert time.monotonic() < deadline, stream.getvalue()
+        time.sleep(0.01)
     progress("preempted", {"claimant": "libvirt:win11", "holder": "libvirt:old", "how": "shutdown"})
     text = stream.getvalue()
     assert "\r\x1b[K  libvirt:win11: stopping libvirt:old (shutdown) … 1 s" in text

@@ -66,7 +66,7 @@ def chroot(tmp_path: Path) -> Iterator[Chroot]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the installed-package libvirt and Podman tests first in a run that includes
-    tests/libvirt or tests/containers.
+    tests/libvirt or tests/oci.
 
     Their session fixtures hold /tmp/charly-libvirt.lock (and a running libvirtd)
     or /tmp/charly-podman.lock until the very end of the pytest session; the

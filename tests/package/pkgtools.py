@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,73 @@ def flocked(path: Path, timeout: float = 900) -> Iterator[None]:
     with machine.flocked(path, "another test session", timeout) as waited:
         log(f"holding {path} (waited {waited:.0f} s for it)")
         yield
+
+
+APT = ["apt-get", "-y", "-q", "-o", "Dpkg::Use-Pty=0"]
+
+
+def is_installed() -> bool:
+    """Whether dpkg knows charly-arbiter (installed, or purged but for its conffiles)."""
+    result = subprocess.run(
+        ["dpkg-query", "-W", "-f=${Status}", "charly-arbiter"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return "ok installed" in result.stdout or "config-files" in result.stdout
+
+
+@contextlib.contextmanager
+def installed_on_this_machine(deb: Path) -> Iterator[subprocess.CompletedProcess[str]]:
+    """`apt install ./DEB` on this machine for the block (under the lock the libvirt and
+    Podman runs share: the installed package is one per machine), then `apt purge`;
+    yields the install's output.  Refuses a machine where it is installed already."""
+    need_root()
+    with flocked(LIBVIRT_LOCK):
+        if is_installed():
+            pytest.fail(
+                "charly-arbiter is already installed here: `apt purge charly-arbiter` first"
+            )
+        output = run([*APT, "install", "--no-install-recommends", str(deb)], env=CLEAN_ENV)
+        try:
+            yield output
+        finally:
+            purge = run([*APT, "purge", "charly-arbiter"], env=CLEAN_ENV, check=False)
+            assert purge.returncode == 0, purge.stdout
+
+
+def run_installed_suite(
+    tmp_path: Path, label: str, paths: Iterable[str], timeout: float, **env: str
+) -> None:
+    """The checkout's tests `paths` against the INSTALLED package: Debian's python3 with
+    -P and the checkout's tests/ alone on the path (never its charly_arbiter/), with
+    CHARLY_ARBITER_E2E_INSTALLED=1 and `env`; every test must pass, none be skipped."""
+    (tmp_path / "path").mkdir()
+    (tmp_path / "path" / "tests").symlink_to(REPO / "tests")
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("CHARLY_", "PYTHON"))}
+    environment.update(
+        PYTHONPATH=str(tmp_path / "path"),
+        CHARLY_ARBITER_E2E_INSTALLED="1",
+        PYTHONSAFEPATH="1",
+        PATH=CLEAN_ENV["PATH"],
+        **env,
+    )
+    started = time.monotonic()
+    suite = subprocess.run(
+        ["/usr/bin/python3", "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *paths],
+        cwd=REPO,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    log(f"{label} against the installed package: {time.monotonic() - started:.0f} s")
+    log(suite.stdout[-6000:])
+    summary = suite.stdout.strip().splitlines()[-1] if suite.stdout.strip() else ""
+    assert suite.returncode == 0, suite.stdout[-12000:]
+    assert "passed" in summary and "skipped" not in summary, summary
 
 
 @dataclass(frozen=True)

@@ -41,12 +41,15 @@ def _load(name: str) -> object:
     return module
 
 
-def _command_paths() -> dict[str, click.Command]:
-    """Every command and subcommand of the real CLI, by man page name."""
+def _command_paths(words: dict[str, str] | None = None) -> dict[str, click.Command]:
+    """Every command and subcommand of the real CLI, by man page name (and, into
+    `words`, each page's command as cli/exits.py names it: `send-home`, `poison list`)."""
     paths: dict[str, click.Command] = {}
 
     def walk(command: click.Command, ctx: click.Context, path: list[str]) -> None:
         paths["-".join(path)] = command
+        if words is not None:
+            words["-".join(path)] = " ".join(path[1:]) or "charly-arbiter"
         if isinstance(command, click.Group):
             for name in command.list_commands(ctx):
                 sub = command.get_command(ctx, name)
@@ -83,8 +86,10 @@ def test_each_page_has_its_exit_statuses_examples_and_files(tmp_path: Path) -> N
     generator = _load("gen-manpages")
     pages = {page.stem: page.read_text() for page in generator.generate(tmp_path)}  # type: ignore[attr-defined]
     roff = generator.roff  # type: ignore[attr-defined]
+    keys: dict[str, str] = {}
+    _command_paths(keys)
     for name, text in pages.items():
-        key = _command_of(name)
+        key = keys[name]
         exit_section = text.partition(".SH EXIT STATUS")[2].partition(".SH ")[0]
         for row in exits.rows(key):
             assert f"\\fB{row.code}\\fR ({exits.MEANING[row.code]})\n{roff(row.when)}" in (
@@ -104,16 +109,9 @@ def test_each_page_has_its_exit_statuses_examples_and_files(tmp_path: Path) -> N
     hooks = pages["charly-arbiter"].partition(".SH HOOK EXIT STATUS")[2]
     for hook in exits.HOOKS:
         assert roff(f"charly-arbiter {hook}") in hooks
-
-
-def _command_of(page: str) -> str:
-    """The command a page is about: charly-arbiter-poison-clear is `poison clear`,
-    charly-arbiter-send-home is `send-home` (a command's own name may have a -)."""
-    words = page.split("-")[2:]
-    if not words:
-        return "charly-arbiter"
-    spaced = " ".join(words)
-    return spaced if spaced in exits.TABLE else "-".join(words)
+    started = pages["charly-arbiter"].partition(".SH PROCESSES THE HOOKS START")[2]
+    for verb in exits.DETACHED:
+        assert roff(f"charly-arbiter {verb}") in started.partition(".SH ")[0]
 
 
 def _parses(command: str) -> None:

@@ -32,6 +32,7 @@ from simhosts import audio, gpu, host
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import LedgerState
 from charly_arbiter.host.sim import SimHost
+from tests.conftest import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -145,19 +146,7 @@ class Node:
     # -- the arbiter ---------------------------------------------------------------------
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [sys.executable, "-m", "charly_arbiter", *args],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            env=self.env(),
-            cwd=REPO,
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(
-                f"charly-arbiter {' '.join(args)} exited {result.returncode}:\n{result.stderr}"
-            )
-        return result
+        return run_cli(args, self.env(), check=check, timeout=180)
 
     def status(self) -> dict[str, Any]:
         return json.loads(self.cli("status", "--json").stdout)  # type: ignore[no-any-return]
@@ -213,18 +202,11 @@ class Node:
 
     def watchers(self) -> list[int]:
         """The hook's start watchers still waiting (proxmox/hookrun.py's watch_start)."""
-        found = []
-        needle = str(self.config_path).encode()
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"watch-start" in cmdline and needle in cmdline:
-                found.append(int(entry))
-        return found
+        from handoffs import detached_pids
+
+        from charly_arbiter.hooksession import WATCH_START
+
+        return detached_pids(self.state_dir, (WATCH_START,))
 
 
 def with_key(text: str, line: str) -> str:

@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 from invariants import assert_converged
 
+from charly_arbiter.core.config import load_config
+from charly_arbiter.hooksession import WATCH_START, Handoff
 from tests.proxmox.conftest import Node, config_text
 
 pytestmark = pytest.mark.slow
@@ -315,7 +317,7 @@ def test_a_process_of_the_container_holding_the_node_is_stopped_with_it(
     a real process, in the container's real cgroup): it is the container's, which is
     stopped, not a stray process that refuses the claim.  The same process outside
     the container's cgroup refuses it."""
-    from tests.containers.conftest import Unavailable, free_devices
+    from tests.oci.podman import Unavailable, free_devices
 
     try:
         device = free_devices(1)[0]
@@ -350,14 +352,11 @@ def test_a_process_of_the_container_holding_the_node_is_stopped_with_it(
 
 
 def run_start_watcher(node: Node, created: str) -> None:
-    """The hook's start watcher (hookrun.watch_start) with the arguments pre-start gives it."""
-    argv = [str(node.config_path), str(node.state_dir), f"sim:{node.sim_dir}", WIN11, created]
-    code = (
-        "import sys; from charly_arbiter.proxmox.hookrun import watch_start; "
-        "sys.exit(watch_start(sys.argv[1:]))"
-    )
+    """The hook's start watcher (`_watch-start`) with the hand-off pre-start gives it."""
+    config = load_config(node.config_path, state_dir=node.state_dir, host=f"sim:{node.sim_dir}")
+    handoff = Handoff.of(config, WIN11, created=created)
     result = subprocess.run(
-        [sys.executable, "-c", code, *argv],
+        [sys.executable, "-m", "charly_arbiter", WATCH_START, handoff.to_json()],
         env=node.env(),
         capture_output=True,
         text=True,

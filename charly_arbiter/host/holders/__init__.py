@@ -9,19 +9,19 @@ the hook's path for a domain with no claim never imports libvirt.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.model import Claimant, HolderKind
 from charly_arbiter.errors import HostError
 from charly_arbiter.host.procscan import cgroup_paths
 
 
 class HolderSource(Protocol):
-    kind: str
+    kind: HolderKind
 
     def holders(self, tokens: Sequence[TokenSpec]) -> Sequence[Holder]:
         """Every holder of this kind that uses one of `tokens`, running or not."""
@@ -101,7 +101,7 @@ class HolderRegistry:
         kind = Claimant.parse(ref).kind
         source = self.source(kind)
         if source is None:
-            raise HostError(f"{ref}: this host has no holders of kind {kind!r}")
+            raise HostError(f"{ref}: this host has no holders of kind '{kind}'")
         return source
 
     def cgroup_owner(self, paths: Sequence[str]) -> Claimant | None:
@@ -124,7 +124,7 @@ class HolderRegistry:
 
 
 def known_owner(
-    registry: HolderRegistry, proc_root: Path, among: set[Claimant] | None
+    registry: HolderRegistry, proc_root: Path, among: Collection[Claimant] | None
 ) -> Callable[[int], Claimant | None]:
     """The holder a process runs in, by its cgroup, when it is one of `among`
     (None: any unit or container the sources know)."""

@@ -33,18 +33,18 @@ from pathlib import Path
 from charly_arbiter.core import files
 from charly_arbiter.core.config import Config, HolderConfig
 from charly_arbiter.core.host import Holder, TokenSpec
-from charly_arbiter.core.model import Claimant, ProcessRef
+from charly_arbiter.core.model import Claimant, HolderKind, ProcessRef
 from charly_arbiter.errors import CommandFailed, HolderError
 from charly_arbiter.host import run
 from charly_arbiter.host.holders import listed_holders
 from charly_arbiter.host.markers import ACTING_DIR, in_hook, marked
 from charly_arbiter.host.procscan import process_alive
+from charly_arbiter.host.sysfs import HOST_ROOTS, Roots
 
 log = logging.getLogger(__name__)
 
-KIND = "container"
+KIND = HolderKind.CONTAINER
 RECORD_DIR = "containers"
-PROC_ROOT = Path("/proc")
 STOPPABLE = ("podman", "docker")  # runtimes whose CLI stops and starts a container
 
 
@@ -116,13 +116,13 @@ class ContainerHolders:
         config: Config,
         programs: dict[str, str] | None = None,
         subject: str | None = None,
-        proc_root: Path = PROC_ROOT,
+        roots: Roots = HOST_ROOTS,
     ) -> None:
         """`subject` is the container whose OCI hook this process runs in (None outside one)."""
         self.config = config
         self.programs = programs or {}
         self.subject = subject or None
-        self.proc_root = proc_root
+        self.roots = roots
         self.listed = {h.ref: h for h in config.holders if h.ref.kind == KIND}
         self._ids: dict[str, str] = {}  # listed container name -> the runtime's id
 
@@ -157,7 +157,7 @@ class ContainerHolders:
             return True  # its own hook runs: the runtime holds it locked, it is starting
         record = self.records().get(name)
         if record is not None:
-            return process_alive(self.proc_root, record.process)
+            return process_alive(self.roots.proc, record.process)
         program, name = self._target(ref, "query")
         result = run.run(
             [program, "container", "inspect", "--format", "{{.State.Running}} {{.Id}}", "--", name],

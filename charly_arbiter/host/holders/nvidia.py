@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Holder, TokenSpec
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.model import Claimant, HolderKind
 from charly_arbiter.core.pci import parse_address
 from charly_arbiter.errors import CommandFailed, HolderError
 from charly_arbiter.host import run
 
-KIND = "nvidia-persistence"
+KIND = HolderKind.NVIDIA_PERSISTENCE
 
 
 def persistence_ref(address: str) -> Claimant:

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import DeviceUser, Holder, TokenSpec
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.model import Claimant, HolderKind, ProcessPolicy
 from charly_arbiter.errors import HolderError
 from charly_arbiter.host.holders.nvidia import persistence_ref
 from charly_arbiter.host.pcidata import driver_nodes, function_nodes
@@ -69,7 +69,7 @@ _POLL = 0.05
 
 
 class ProcessHolders:
-    kind = "process"
+    kind = HolderKind.PROCESS
 
     def __init__(
         self,
@@ -171,9 +171,9 @@ class ProcessHolders:
             comm = command_name(self.proc_root, pid)
             found.append(
                 Holder(
-                    ref=Claimant.of("process", str(pid)),
+                    ref=Claimant.of(HolderKind.PROCESS, str(pid)),
                     tokens=tuple(sorted(by_token)),
-                    preemptible=self.config.process_policy == "terminate",
+                    preemptible=self.config.process_policy == ProcessPolicy.TERMINATE,
                     running=True,
                     how=f"SIGTERM, SIGKILL after {self.config.timeouts.holder_stop:g} s",
                     detail=f"pid {pid} {comm} has {nodes} open",
@@ -223,7 +223,7 @@ class ProcessHolders:
 
 def _pid(ref: str) -> int:
     claimant = Claimant.parse(ref)
-    if claimant.kind != "process":
+    if claimant.kind != HolderKind.PROCESS:
         raise HolderError(ref, "find", "not a process:PID holder")
     return int(claimant.name)  # a process claimant's name is digits (Claimant.parse)
 

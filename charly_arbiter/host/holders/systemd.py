@@ -14,12 +14,12 @@ from collections.abc import Sequence
 
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.host import Holder, TokenSpec
-from charly_arbiter.core.model import Claimant
+from charly_arbiter.core.model import Claimant, HolderKind
 from charly_arbiter.errors import CommandFailed, HolderError
 from charly_arbiter.host import run
 from charly_arbiter.host.holders import listed_holders
 
-KIND = "systemd"
+KIND = HolderKind.SYSTEMD
 
 
 class SystemdHolders:

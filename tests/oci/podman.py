@@ -1,8 +1,9 @@
-"""Real Podman containers through the installed OCI hook, for the container tests.
+"""Real Podman containers through the installed OCI hook: the test bed of tests/oci
+(its fixtures are conftest.py's) and of bench/bench_oci_hook.py.
 
 Podman (Debian's, rootful, runc, cgroupfs, no systemd: ../shared/reference's
 recipe) runs containers from a local root directory holding busybox; there is
-no registry.  The session fixture takes an exclusive flock on
+no registry.  `podman_environment` takes an exclusive flock on
 /tmp/charly-podman.lock, installs the OCI hook where Podman reads hooks when
 no --hooks-dir is given (`/usr/share/containers/oci/hooks.d/charly-arbiter.json`,
 the package's own file with its paths pointed at this checkout: `podman start`
@@ -24,10 +25,8 @@ the installed /usr/bin/charly-arbiter and the package's hook files.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -35,15 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-from machine import flocked, restored
+from machine import INSTALLED, REPO, HookedService, Unavailable, flocked, restored, run
 from simhosts import audio, gpu, host
 
-REPO = Path(__file__).resolve().parents[2]
 LOCK = Path("/tmp/charly-podman.lock")
 HOOKS_DIR = Path("/usr/share/containers/oci/hooks.d")
 HOOK_JSON = HOOKS_DIR / "charly-arbiter.json"
-INSTALLED = os.environ.get("CHARLY_ARBITER_E2E_INSTALLED") == "1"
 INSTALLED_CONFIG = Path("/etc/charly-arbiter/arbiter.toml")
 INSTALLED_HOOK = Path("/usr/libexec/charly-arbiter/oci-hook")
 PREFIX = "ca-test-"
@@ -98,46 +94,13 @@ def log(message: str) -> None:
     print(f"[podman] {message}", file=sys.stderr, flush=True)
 
 
-def run(argv: list[str], check: bool = True, timeout: float = 120, **kw: Any) -> Any:
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{argv} exited {result.returncode}:\n{result.stderr}")
-    return result
-
-
 @dataclass
-class Podman:
+class Podman(HookedService):
     """Podman, the hook's configuration, and helpers for the tests."""
 
-    work: Path
-    sim_dir: Path
-    state_dir: Path
-    config_path: Path
-    hook_log: Path
     rootfs: Path
     nodes: dict[str, Path]  # token -> its GPU node (a character device under sim_dir/dev)
-    cli_argv: list[str]
     hook_program: Path  # the oci-hook the JSON file names
-
-    # -- the CLI under test ------------------------------------------------------------
-
-    def env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CHARLY_ARBITER_")}
-        env["CHARLY_ARBITER_CONFIG"] = str(self.config_path)
-        if not INSTALLED:
-            env["PYTHONPATH"] = str(REPO)
-        return env
-
-    def cli(self, *args: str, check: bool = False, timeout: float = 120) -> Any:
-        return run([*self.cli_argv, *args], check=check, timeout=timeout, env=self.env())
-
-    def status(self) -> dict[str, Any]:
-        result = self.cli("status", "--json")
-        assert result.returncode == 0, result.stderr
-        return json.loads(result.stdout)  # type: ignore[no-any-return]
-
-    def leases(self) -> dict[str, dict[str, Any]]:
-        return {lease["claimant"]: lease for lease in self.status()["leases"]}
 
     def drivers(self) -> dict[str, str]:
         return {
@@ -227,16 +190,10 @@ class Podman:
 
     def settle(self) -> None:
         """No detached release of this state directory runs any more."""
-        from charly_arbiter.compose import DETACHED
+        from handoffs import detached_pids
 
         def quiet() -> bool:
-            for entry in Path("/proc").iterdir():
-                if entry.name.isdigit():
-                    with contextlib.suppress(OSError):
-                        argv = (entry / "cmdline").read_bytes().split(b"\0")
-                        if DETACHED.encode() in argv and str(self.state_dir).encode() in argv:
-                            return False
-            return True
+            return not detached_pids(self.state_dir)
 
         self.wait_for("the detached releases to end", quiet)
 
@@ -282,10 +239,6 @@ def free_devices(count: int) -> list[os.stat_result]:
         if len(found) == count:
             return found
     raise Unavailable(f"fewer than {count} free misc devices among {', '.join(CANDIDATES)}")
-
-
-class Unavailable(Exception):
-    """Podman cannot be run here; the message says why."""
 
 
 def why_not() -> str | None:
@@ -347,7 +300,7 @@ def podman_environment(work: Path) -> Iterator[Podman]:
             hook_program.chmod(0o755)
             cli_argv = [sys.executable, "-m", "charly_arbiter"]
         env = Podman(
-            work, sim_dir, state_dir, config_path, hook_log, rootfs, nodes, cli_argv, hook_program
+            work, sim_dir, state_dir, config_path, hook_log, cli_argv, rootfs, nodes, hook_program
         )
         backups = [HOOK_JSON] if not INSTALLED else [INSTALLED_CONFIG]
         created_dir = not HOOKS_DIR.exists()
@@ -373,23 +326,3 @@ def podman_environment(work: Path) -> Iterator[Podman]:
             with contextlib.suppress(OSError):
                 HOOKS_DIR.rmdir()
                 HOOKS_DIR.parent.rmdir()
-
-
-@pytest.fixture(scope="session")
-def podman_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Podman]:
-    reason = why_not()
-    if reason:
-        log(f"SKIPPING the Podman tests: {reason}")
-        pytest.skip(reason)
-    try:
-        with podman_environment(tmp_path_factory.mktemp("podman")) as env:
-            yield env
-    except Unavailable as error:
-        pytest.fail(str(error))
-
-
-@pytest.fixture
-def pm(podman_session: Podman) -> Iterator[Podman]:
-    """Podman, with no test container and an empty ledger before each test."""
-    podman_session.clean()
-    yield podman_session

@@ -52,6 +52,19 @@ def exec_lines(dropin: Path, key: str) -> list[str]:
     return found
 
 
+def systemd_verify(units: Path) -> subprocess.CompletedProcess[str]:
+    """systemd's own parser on the unit, its directory on SYSTEMD_UNIT_PATH."""
+    if SYSTEMD_ANALYZE is None:
+        pytest.fail("systemd-analyze is missing: install systemd (scripts/apt-packages.txt)")
+    return subprocess.run(
+        [SYSTEMD_ANALYZE, "verify", "--man=no", UNIT],
+        env={**os.environ, "SYSTEMD_UNIT_PATH": f"{units}:"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_attach_writes_a_drop_in_systemd_accepts_and_claims_as_the_unit(sim, units) -> None:
     result = sim.cli("attach", "--unit-dir", str(units), REF, "gpu0", check=True)
     dropin = units / f"{UNIT}.d" / "charly-arbiter.conf"
@@ -59,15 +72,7 @@ def test_attach_writes_a_drop_in_systemd_accepts_and_claims_as_the_unit(sim, uni
     text = dropin.read_text()
     assert "ExecStartPre=+" in text and "ExecStopPost=-+" in text
 
-    if SYSTEMD_ANALYZE is None:
-        pytest.fail("systemd-analyze is missing: install systemd (scripts/apt-packages.txt)")
-    verify = subprocess.run(
-        [SYSTEMD_ANALYZE, "verify", "--man=no", UNIT],
-        env={**os.environ, "SYSTEMD_UNIT_PATH": f"{units}:"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    verify = systemd_verify(units)
     assert (verify.returncode, verify.stderr) == (0, ""), verify.stderr
 
     [start] = exec_lines(dropin, "ExecStartPre")
@@ -101,15 +106,7 @@ def test_a_wrong_program_in_the_drop_in_fails_systemds_check(sim, units) -> None
     dropin = units / f"{UNIT}.d" / "charly-arbiter.conf"
     [start] = exec_lines(dropin, "ExecStartPre")
     dropin.write_text(dropin.read_text().replace(start[0], "/nonexistent/charly-arbiter"))
-    if SYSTEMD_ANALYZE is None:
-        pytest.fail("systemd-analyze is missing: install systemd (scripts/apt-packages.txt)")
-    verify = subprocess.run(
-        [SYSTEMD_ANALYZE, "verify", "--man=no", UNIT],
-        env={**os.environ, "SYSTEMD_UNIT_PATH": f"{units}:"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    verify = systemd_verify(units)
     assert verify.returncode != 0 and "not executable" in verify.stderr
 
 

@@ -2,7 +2,7 @@
 
 `charly-arbiter hook oci` gets a container's state on stdin and reads the
 bundle's config.json, as runc hands them over (the shape Podman 4.3 was seen
-to produce here: tests/containers/test_oci_hook.py runs the real thing).
+to produce here: tests/oci/test_oci_hook.py runs the real thing).
 Nothing on stdout; a refusal is one line on stderr and a non-zero exit; a
 release always exits 0; a container given no GPU imports nothing of the
 arbiter but the hook.  The simulated host's GPU node is a character device
@@ -25,7 +25,7 @@ import pytest
 from simhosts import audio, gpu, host
 
 from charly_arbiter.oci.hook import may_claim
-from tests.containers.conftest import free_devices
+from tests.oci.podman import free_devices
 
 REPO = Path(__file__).resolve().parents[2]
 HEAVY = ("charly_arbiter.core", "charly_arbiter.host", "charly_arbiter.compose", "tomllib")
@@ -191,7 +191,9 @@ def test_an_unreadable_state_fails_a_start_closed_and_never_a_stop(oci: Any) -> 
             timeout=60,
         )
         assert (result.returncode, result.stdout) == (expected, b""), (stage, result)
-        assert result.stderr.startswith(b"charly-arbiter: internal error in the OCI hook")
+        assert result.stderr.startswith(
+            b"charly-arbiter: the container state on stdin cannot be used: it is not JSON"
+        )
 
 
 def test_a_container_without_a_gpu_imports_nothing_of_the_arbiter(tmp_path: Path) -> None:

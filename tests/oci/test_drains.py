@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from tests.containers.conftest import PREFIX, Podman
-from tests.containers.test_oci_hook import GPU0, check_invariants
+from tests.oci.podman import PREFIX, Podman
+from tests.oci.test_oci_hook import GPU0, check_invariants
 
 pytestmark = [pytest.mark.slow, pytest.mark.podman]
 

@@ -2,7 +2,7 @@
 
 Each scenario asserts the ledger (through `status --json`), what Podman says
 of the containers, and the invariants (tests/invariants.py).  The PCI side
-and the VMs are simulated (tests/containers/conftest.py): a VM is a claimant
+and the VMs are simulated (tests/oci/podman.py): a VM is a claimant
 the CLI acquires for, as libvirt's hook would.
 """
 
@@ -18,7 +18,7 @@ from simhosts import holder
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Claimant
 from charly_arbiter.host.sim import SimHost
-from tests.containers.conftest import PREFIX, Podman
+from tests.oci.podman import PREFIX, Podman
 
 pytestmark = [pytest.mark.slow, pytest.mark.podman]
 
@@ -58,7 +58,7 @@ def test_a_container_without_a_gpu_passes_and_leaves_nothing(pm: Podman) -> None
 
 
 def pm_options() -> tuple[str, ...]:
-    from tests.containers.conftest import RUN_OPTIONS
+    from tests.oci.podman import RUN_OPTIONS
 
     return RUN_OPTIONS
 
@@ -192,7 +192,7 @@ ready = ["/bin/sh", "-c", "sleep 4"]
 def test_the_docker_runtime_wrapper_claims_without_hooks_d(pm: Podman, tmp_path: Path) -> None:
     """hooks/oci-runtime as Podman's runtime, with no hooks directory at all: the
     wrapper adds the hook to the spec, as it does for Docker (which has no engine here)."""
-    from tests.containers.conftest import INSTALLED, REPO, RUN_OPTIONS
+    from tests.oci.podman import INSTALLED, REPO, RUN_OPTIONS
 
     wrapper = Path("/usr/libexec/charly-arbiter/oci-runtime")
     if not INSTALLED:
