@@ -78,3 +78,19 @@ def test_what_the_gpu_cannot_have_is_refused(gpu):
         nvml.set_mig(GPU, MigChange(layout=("7g.80gb", "1g.10gb")))
     # A GPU without MIG: no state, and NVML's word for why.
     assert nvml.mig("0000:0b:00.0") is None and "Not Supported" in (nvml.error or "")
+
+
+def test_the_local_host_in_compose_s_drains_says_why_a_gpu_has_no_mig(make_host):
+    """`mig TOKEN` on a GPU without MIG says the local host's reason, also through the
+    drains wrapper compose.open_host puts around every host (host/draining.Drained)."""
+    from charly_arbiter.core.arbiter import Arbiter
+    from charly_arbiter.core.config import TokenConfig
+    from charly_arbiter.core.ledger import Ledger
+    from charly_arbiter.core.migop import mig_state
+    from charly_arbiter.host.draining import Drained
+
+    host = make_host(tokens=(TokenConfig("igpu", "0000:0b:00.0"),))
+    drained = Drained(host, host.config)
+    arbiter = Arbiter(host.config, drained, Ledger(host.config.state_dir))
+    with pytest.raises(MigInvalid, match=r"has no MIG mode \(it is no NVIDIA GPU\)"):
+        mig_state(arbiter, "igpu")
