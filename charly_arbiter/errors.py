@@ -258,6 +258,65 @@ class SwitchHung(SwitchFailed):
         self.timeout = timeout
 
 
+class VfCountInvalid(UsageError):
+    """A VF count for a token that cannot have one, or more VFs than it can have."""
+
+    def __init__(self, token: str, why: str) -> None:
+        super().__init__(
+            f"{token}: {why}", hint=f"run {cli_command('detect')} to see the SR-IOV functions"
+        )
+        self.token = token
+
+
+class VfCountRefused(Refused):
+    """A change of a physical function's VF count that the rules refuse now: a VF is
+    leased or open, the PF is held exclusively or poisoned, another change runs."""
+
+    def __init__(
+        self, token: str, count: int, why: str, hint: str | None = None, *, retry: bool = False
+    ) -> None:
+        super().__init__(f"cannot set the VF count of {token} to {count}: {why}", hint=hint)
+        self.token = token
+        self.why = why
+        self.retry = retry
+
+
+class VfCountFailed(ArbiterError):
+    """The kernel refused a write of `sriov_numvfs` (its errno), or it hung."""
+
+    def __init__(self, address: str, count: int, why: str) -> None:
+        super().__init__(f"{address}: writing {count} to sriov_numvfs failed: {why}")
+        self.address = address
+        self.count = count
+        self.why = why
+
+
+class VfCountHung(VfCountFailed):
+    """A write of `sriov_numvfs` did not return within the watchdog's timeout: it is
+    stuck in the kernel (a VF's VFIO device held open), where nothing can end it."""
+
+    def __init__(self, address: str, count: int, timeout: float) -> None:
+        super().__init__(address, count, f"the write did not return within {timeout:g} s")
+        self.timeout = timeout
+
+
+class MigInvalid(UsageError):
+    """A MIG change or instance for a token that has no MIG, or a layout or instance
+    it cannot have."""
+
+    def __init__(self, token: str, why: str, hint: str | None = None) -> None:
+        super().__init__(f"{token}: {why}", hint=hint)
+        self.token = token
+
+
+class MigFailed(ArbiterError):
+    """NVML refused or failed a change of a GPU's MIG mode or layout."""
+
+    def __init__(self, address: str, change: str, why: str, hint: str | None = None) -> None:
+        super().__init__(f"{address}: MIG {change} failed: {why}", hint=hint)
+        self.address = address
+
+
 class HolderError(ArbiterError):
     """Stopping or starting a holder failed."""
 

@@ -125,6 +125,14 @@ FILES_OF: dict[str, list[tuple[str, str]]] = {
     "detach": [CONFIG, LEDGER_R, UNITS, ("/etc/charly-arbiter/attached.d/UNIT.toml", "w: removed")],
     "adopt": [CONFIG, LEDGER_W, HISTORY_R, HISTORY_W, SYSFS_R],
     "send-home": [*CLAIMING, HISTORY_R],
+    "mig": [CONFIG, LEDGER_W, HISTORY_W, PROC, ("/dev/nvidia*", "r, w: NVML's (libnvidia-ml)")],
+    "vfs": [
+        CONFIG,
+        LEDGER_W,
+        HISTORY_W,
+        ("/sys/bus/pci/devices/ADDRESS/sriov_numvfs", "w: the physical function's VF count"),
+        PROC,
+    ],
 }
 # Examples: (a command line, what it does).  Each one parses with the real command tree
 # (tests/package/test_manpages_install.py).
@@ -199,6 +207,16 @@ EXAMPLES: dict[str, list[tuple[str, str]]] = {
     ],
     "send-home": [
         ("charly-arbiter send-home gpu0", "gpu0 goes home, and what was stopped for it comes back")
+    ],
+    "mig": [
+        ("charly-arbiter mig gpu0", "its MIG mode and instances, each a sub-token gpu0:N"),
+        ("charly-arbiter mig gpu0 on", "MIG mode on: what uses the GPU is stopped and back"),
+        ("charly-arbiter mig gpu0 layout 3g.40gb,2g.20gb,1g.10gb", "three instances"),
+    ],
+    "vfs": [
+        ("charly-arbiter vfs gpu0 4", "four virtual functions (through 0 if it has some)"),
+        ("charly-arbiter vfs gpu0 0", "none: every VF goes (refused while one is in use)"),
+        ("charly-arbiter vfs --configured", "every count arbiter.toml sets (the boot's step)"),
     ],
 }
 

@@ -2,10 +2,13 @@
 
 (I1) A token never has an exclusive lease beside any other lease that holds it,
      and no PCI function is held exclusively under one token name beside a lease
-     on another token that has it too (tokens never overlap).
+     on another token that has it too (tokens never overlap).  A lease on a token
+     on an SR-IOV virtual function is a use of its physical function's token: no
+     other lease holds that one exclusively meanwhile.
 (I2) A token's functions are on vfio-pci only while an exclusive lease covers it
      (in any state), it is poisoned, or its recorded home is vfio-pci (bound
-     there on purpose: `adopt --admin`).
+     there on purpose: `adopt --admin`).  An NVIDIA vGPU VF with a vGPU type is
+     given to a VM as one on vfio-pci is: the same holds for its type.
 (I3) Every holder the arbiter stopped is recorded in exactly one lease until it
      is started again.
 (I4) A mutating command on a corrupt or unsafe ledger changes nothing on the
@@ -26,8 +29,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from charly_arbiter.core.model import VFIO, LedgerState, Mode
-from charly_arbiter.core.planner import blocks_token
+from charly_arbiter.core.model import VFIO, LedgerState, Mode, blocks_token
 
 T = TypeVar("T")
 
@@ -45,6 +47,10 @@ class HostFacts:
     token_functions: Mapping[str, Sequence[str]]
     running: Mapping[str, bool]
     expected_running: frozenset[str] = field(default_factory=frozenset)
+    # token on a virtual function -> the token of its physical function
+    parents: Mapping[str, str] = field(default_factory=dict)
+    # address -> the vGPU type of an NVIDIA vGPU VF (0: none)
+    vgpu_types: Mapping[str, int] = field(default_factory=dict)
 
 
 def violations(state: LedgerState, host: HostFacts) -> list[str]:
@@ -56,6 +62,21 @@ def violations(state: LedgerState, host: HostFacts) -> list[str]:
         if exclusive and len(holding) > 1:
             names = ", ".join(f"{item.claimant} ({item.mode}, {item.state})" for item in holding)
             found.append(f"I1: {token} is held exclusively beside another lease: {names}")
+    for lease in state.leases:
+        for vf in lease.tokens:
+            pf = host.parents.get(vf)
+            if pf is None or not blocks_token(lease, vf):
+                continue
+            for other in state.leases:
+                if (
+                    other.claimant != lease.claimant
+                    and other.mode is Mode.EXCLUSIVE
+                    and blocks_token(other, pf)
+                ):
+                    found.append(
+                        f"I1: {pf} is held exclusively by {other.claimant} ({other.state}) while "
+                        f"{lease.claimant} ({lease.mode}, {lease.state}) holds its VF {vf}"
+                    )
     owners: dict[str, set[tuple[str, str]]] = {}
     for lease in state.leases:
         for token in lease.tokens:
@@ -69,7 +90,11 @@ def violations(state: LedgerState, host: HostFacts) -> list[str]:
             names = ", ".join(f"{claimant} ({token})" for claimant, token in sorted(held))
             found.append(f"I1: {address} is held exclusively beside another lease: {names}")
     for token, addresses in host.token_functions.items():
-        on_vfio = [address for address in addresses if host.drivers.get(address) == VFIO]
+        on_vfio = [
+            address
+            for address in addresses
+            if host.drivers.get(address) == VFIO or host.vgpu_types.get(address)
+        ]
         if not on_vfio or state.poison_of(token) is not None:
             continue
         if all(state.home_of(token).get(address) == VFIO for address in on_vfio):
@@ -139,14 +164,18 @@ def sim_facts(
     snapshot: Mapping[str, object],
     token_functions: Mapping[str, Sequence[str]],
     expected_running: Collection[str],
+    parents: Mapping[str, str] | None = None,
 ) -> HostFacts:
     """HostFacts from a simulated host's `snapshot()`."""
     drivers = snapshot["drivers"]
     running = snapshot["running"]
-    assert isinstance(drivers, dict) and isinstance(running, dict)
+    vfs = snapshot.get("vfs", {})
+    assert isinstance(drivers, dict) and isinstance(running, dict) and isinstance(vfs, dict)
     return HostFacts(
         drivers={address: driver or None for address, driver in drivers.items()},
         token_functions=token_functions,
         running={ref: bool(value) for ref, value in running.items()},
         expected_running=frozenset(expected_running),
+        parents=parents or {},
+        vgpu_types={address: int(vf.get("vgpu", 0)) for address, vf in vfs.items()},
     )

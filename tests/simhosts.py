@@ -117,3 +117,64 @@ def default_host(
         holder("systemd", "ollama.service", ["gpu0"], preemptible=True, extra=ollama),
         holder("systemd", "display-manager.service", ["gpu1"], preemptible=dm_preemptible),
     )
+
+
+PF = "0000:01:00.0"  # an SR-IOV physical function's address in the tests' hosts
+VF0, VF1 = "0000:01:00.1", "0000:01:00.2"  # where its first two VFs go (offset 1, stride 1)
+
+
+def sriov_pf(address: str = PF, *, total: int = 2, group: int = 4, extra: str = "") -> str:
+    """A GPU with SR-IOV (Intel's xe, whose VFs come up on xe too): its VFs exist only
+    after `sriov_numvfs` is written (`SimHost.write_sysfs`), each in a group of its own."""
+    return device(
+        address,
+        vendor="8086",
+        model="56c0",
+        pci_class="030000",
+        driver="xe",
+        group=group,
+        extra=f'sriov_totalvfs = {total}\nsriov_vf_device = "56c1"\nsriov_vf_driver = "xe"\n'
+        + extra,
+    )
+
+
+def sriov_tokens(vfs: int | None = 2, *, vf_tokens: Sequence[str] = ("vf0",)) -> str:
+    """arbiter.toml's tokens for `sriov_pf`: the PF (with its configured VF count) and
+    VF tokens by address (vf0 at VF0, vf1 at VF1)."""
+    places = {"vf0": VF0, "vf1": VF1}
+    lines = ["", "[tokens.pf]", f'address = "{PF}"']
+    if vfs is not None:
+        lines.append(f"vfs = {vfs}")
+    for name in vf_tokens:
+        lines += ["", f"[tokens.{name}]", f'address = "{places[name]}"']
+    return "\n".join(lines) + "\n"
+
+
+VGPU_TYPES = '{ 557 = "NVIDIA L40S-1Q", 558 = "NVIDIA L40S-2Q", 560 = "NVIDIA L40S-4Q" }'
+
+
+def vgpu_pf(address: str = PF, *, total: int = 2, group: int = 4) -> str:
+    """An NVIDIA GPU whose VFs serve vGPU (vGPU 17 and later, no mdev): they come up
+    on nvidia, each with the types of NVIDIA's guide's layout (see core.host.Vgpu)."""
+    return device(
+        address,
+        vendor="10de",
+        model="26b9",
+        pci_class="030200",
+        driver="nvidia",
+        group=group,
+        extra=f'sriov_totalvfs = {total}\nsriov_vf_device = "26b9"\nsriov_vf_driver = "nvidia"\n'
+        f"vgpu_types = {VGPU_TYPES}\n",
+    )
+
+
+MIG_PROFILES = '{ "1g.10gb" = 1, "2g.20gb" = 2, "3g.40gb" = 3, "7g.80gb" = 7 }'
+
+
+def mig_host(**faults: str) -> str:
+    """The default host with gpu0 MIG-capable (an H100's profiles, as NVML lists them)."""
+    return default_host(**faults).replace(
+        'address = "0000:0a:00.0"\n',
+        f'address = "0000:0a:00.0"\nmig_profiles = {MIG_PROFILES}\n',
+        1,
+    )

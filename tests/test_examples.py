@@ -22,7 +22,9 @@ def test_example_config_with_every_example_enabled_parses(tmp_path):
     path = tmp_path / "arbiter.toml"
     path.write_text(enabled)
     config = load_config(path, environ={})
-    assert [token.name for token in config.tokens] == ["gpu0"]
+    assert [token.name for token in config.tokens] == ["gpu0", "vgpu0"]
+    assert config.tokens[0].vfs == 4
+    assert config.tokens[1].vgpu_type == "NVIDIA L40S-2Q"
     assert {holder.ref for holder in config.holders} == {
         "systemd:ollama.service",
         "container:llm",

@@ -45,6 +45,8 @@ COMMANDS = {
     "detach": "charly_arbiter.cli.attach:detach",
     "adopt": "charly_arbiter.cli.adopt:adopt",
     "send-home": "charly_arbiter.cli.adopt:send_home_command",
+    "vfs": "charly_arbiter.cli.vfs:vfs",
+    "mig": "charly_arbiter.cli.mig:mig",
 }
 
 

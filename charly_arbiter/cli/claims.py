@@ -11,8 +11,8 @@ import click
 from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App, claim_mode, interruption_report, mode_options
 from charly_arbiter.core.arbiter import Arbiter
-from charly_arbiter.core.model import Claimant, Lease
-from charly_arbiter.errors import ArbiterError, cli_command
+from charly_arbiter.core.model import CLAIMANT_KINDS, Claimant, Lease
+from charly_arbiter.errors import ArbiterError, InvalidClaimant, cli_command
 
 
 @click.command()
@@ -41,6 +41,8 @@ def acquire(
     if mode is None:
         raise click.UsageError("say --exclusive or --shared")
     ref = Claimant.parse(claimant)
+    if ref.kind not in CLAIMANT_KINDS:
+        raise InvalidClaimant(claimant, f"the kind is one of {', '.join(CLAIMANT_KINDS)}")
     arbiter = app.arbiter()
     with interruption_report(arbiter, ref, "claim"):
         plan = arbiter.acquire(ref, mode, list(tokens), transient=transient, wait=wait)

@@ -73,7 +73,11 @@ TABLE: dict[str, tuple[Exit, ...]] = {
             "a step failed (a switch, which poisons the GPU; a holder that did not stop) and "
             f"the claim was undone; {_INTERRUPTED}; {_STATE}",
         ),
-        Exit(EXIT_USAGE, f"no mode, or --exclusive with --shared; {_NAMES}; {_TOKENS}"),
+        Exit(
+            EXIT_USAGE,
+            f"no mode, or --exclusive with --shared; {_NAMES}; {_TOKENS}; a MIG instance "
+            "(TOKEN:N) the GPU does not have now, or claimed exclusively",
+        ),
         Exit(
             EXIT_REFUSED,
             "refused: another lease holds the GPU, a holder that is not preemptible, a "
@@ -195,6 +199,43 @@ TABLE: dict[str, tuple[Exit, ...]] = {
             EXIT_REFUSED,
             "the token is not on vfio-pci without a lease (the ledger accounts for it), or "
             "the ledger went backwards against the history (`recover` first)",
+        ),
+    ),
+    "mig": (
+        Exit(EXIT_OK, "the MIG state was shown, or changed and everything it stopped is back"),
+        Exit(
+            EXIT_ERROR,
+            "NVML refused or failed the change (what it stopped is back all the same), or "
+            f"a holder did not come back (the lease stays for `restore`); {_STATE}",
+        ),
+        Exit(
+            EXIT_USAGE,
+            f"layout without PROFILE,..., or PROFILE,... without layout; {_TOKENS}; a GPU "
+            "without MIG, a layout while MIG is off, a profile it does not have",
+        ),
+        Exit(
+            EXIT_REFUSED,
+            "another lease holds the GPU exclusively, a holder that is not preemptible uses "
+            "it, it is poisoned or off its driver, or a change of it runs already",
+        ),
+    ),
+    "vfs": (
+        Exit(EXIT_OK, "the count is set (or was already); with --configured, every configured one"),
+        Exit(
+            EXIT_ERROR,
+            "the kernel refused a write of sriov_numvfs, or one hung (the physical function is "
+            f"poisoned, with what to do); with --configured, one of them failed; {_STATE}",
+        ),
+        Exit(
+            EXIT_USAGE,
+            f"neither TOKEN COUNT nor --configured; {_TOKENS}; a token that is no SR-IOV "
+            "physical function, or more VFs than it can have",
+        ),
+        Exit(
+            EXIT_REFUSED,
+            "a virtual function is leased or open, the physical function is held exclusively, "
+            "poisoned or off its driver, another change of its count runs, or the ledger "
+            "went backwards",
         ),
     ),
     "send-home": (

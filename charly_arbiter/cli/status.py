@@ -147,6 +147,10 @@ def status_document(result: Status, attached: Sequence[HolderConfig] = ()) -> di
                 ],
                 "unaccounted": list(token.unaccounted),
                 "bound_by_admin": token.bound_by_admin,
+                "virtual_functions": list(token.virtual_functions),
+                "total_vfs": token.total_vfs,
+                "physical_function": token.physical_function,
+                "absent": token.absent,
                 "poisoned": token.poisoned,
                 "reason": token.reason,
                 "since": token.since,
@@ -236,6 +240,7 @@ def _token_table(token: TokenStatus, result: Status, style: Style, now: datetime
         lines.append(f"  hint: {unaccounted_hint(token.name)}")
     if token.bound_by_admin:
         lines.append("  its home is vfio-pci: bound there on purpose (adopt --admin)")
+    lines += _sriov_lines(token, result)
     rows = [("FUNCTION", "DRIVER")]
     rows += [(address, driver or "-") for address, driver in token.drivers]
     lines += _table(rows, style)
@@ -258,6 +263,27 @@ def _token_table(token: TokenStatus, result: Status, style: Style, now: datetime
             )
         lines += _table(holder_rows, style, bad_column=2)
     lines += [f"  {_use(holder)}" for holder in token.users]
+    return lines
+
+
+def _sriov_lines(token: TokenStatus, result: Status) -> list[str]:
+    """A physical function's VFs (and the tokens on them), a virtual function's PF."""
+    by_address = {other.address: other.name for other in result.tokens}
+    lines = []
+    if token.total_vfs is not None:
+        vfs = [
+            vf + (f" ({by_address[vf]})" if vf in by_address else "")
+            for vf in token.virtual_functions
+        ]
+        lines.append(
+            f"  SR-IOV: {len(vfs)} of {token.total_vfs} VFs"
+            + (f": {', '.join(vfs)}" if vfs else "")
+        )
+    if token.physical_function is not None:
+        pf = token.physical_function
+        name = f" ({by_address[pf]})" if pf in by_address else ""
+        absent = "; it does not exist now" if token.absent else ""
+        lines.append(f"  virtual function of {pf}{name}{absent}")
     return lines
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, replace
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import EventKind, Events, drivers_label
-from charly_arbiter.core.host import Blocker, Holder, Host, TokenSpec
+from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.liveness import claimant_liveness, stranded_claimants
+from charly_arbiter.core.liveness import claimant_liveness, claimant_runs, stranded_claimants
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
@@ -31,13 +31,13 @@ from charly_arbiter.core.model import (
     ProcessRef,
     StepState,
     StoppedHolder,
+    blocks_token,
     now,
 )
 from charly_arbiter.core.planner import (
     NO_POLICY,
     ClaimPlan,
     Policy,
-    blocks_token,
     decide_claim,
     unaccounted,
     unaccounted_hint,
@@ -45,7 +45,7 @@ from charly_arbiter.core.planner import (
 from charly_arbiter.core.release_planner import ReleasePlan, may_run_on_it
 from charly_arbiter.core.releasing import Releaser
 from charly_arbiter.core.switching import Switching
-from charly_arbiter.core.tokens import TokenCatalogue
+from charly_arbiter.core.tokens import TokenCatalogue, vf_specs
 from charly_arbiter.errors import (
     ArbiterError,
     ClaimantRunning,
@@ -77,6 +77,12 @@ class TokenStatus:
     users: tuple[Holder, ...] = ()
     unaccounted: tuple[str, ...] = ()  # its functions on vfio-pci that nothing accounts for
     bound_by_admin: bool = False  # its home is vfio-pci (`adopt --admin`)
+    # SR-IOV: a physical function's VFs now (and how many it can have), a virtual
+    # function's PF (and whether the VF exists now).
+    virtual_functions: tuple[str, ...] = ()
+    total_vfs: int | None = None
+    physical_function: str | None = None
+    absent: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,6 +172,8 @@ class Arbiter:
             boot_id=boot_id,
             blockers=self._blockers(mode, tokens),
             coverage=self.tokens.addresses(),
+            parents=self.tokens.parents(),
+            vf_users=self._vf_users(mode, tokens),
         )
 
     def plan_release(self, claimant: str, *, force: bool = False) -> ReleasePlan | None:
@@ -179,6 +187,14 @@ class Arbiter:
         found = {token.name: self.host.passthrough_blocker(token) for token in tokens}
         return {name: blocker for name, blocker in found.items() if blocker is not None}
 
+    def _vf_users(self, mode: Mode, tokens: Sequence[TokenSpec]) -> list[DeviceUser]:
+        """Who has a node of the tokens' virtual functions open (a VM's /dev/vfio/N, a
+        DRM node): an exclusive claim on their physical function names them."""
+        if mode is not Mode.EXCLUSIVE:
+            return []
+        vfs = [vf for token in tokens for vf in token.virtual_functions]
+        return list(self.host.device_users(vf_specs(self.host, vfs)))
+
     # -- acquiring ---------------------------------------------------------------
 
     def acquire(
@@ -190,6 +206,7 @@ class Arbiter:
         transient: bool = False,
         policy: Policy = NO_POLICY,
         wait: float | None = None,
+        in_place: bool = False,
     ) -> ClaimPlan:
         """Claim the tokens, stopping what must make room, or raise why not.
 
@@ -198,15 +215,21 @@ class Arbiter:
         retried for up to `wait` seconds (default `timeouts.claim_wait`): a VM
         destroyed and started at once waits for its own release instead of
         being refused or, worse, finding its old lease and starting without one.
+
+        A token name `TOKEN:N` is the MIG instance N of TOKEN's GPU (a sub-token, as
+        NVIDIA's CDI spec names it `GPU:N`): it is claimed shared, as a use of the GPU.
+        `in_place` (the arbiter's own MIG change) stops what uses the tokens and
+        switches nothing.
         """
         ref = Claimant.parse(claimant)
+        token_names = self.tokens.parent_names(token_names, mode, self.host.mig)
         limit = self.config.timeouts.claim_wait if wait is None else wait
         deadline = time.monotonic() + limit
         tokens = self.tokens.reread(token_names)
         self._refuse_rollback()
         while True:
             try:
-                return self._acquire_once(ref, mode, tokens, transient, policy)
+                return self._acquire_once(ref, mode, tokens, transient, policy, in_place)
             except ClaimRefused as refusal:
                 if not refusal.retry or time.monotonic() >= deadline:
                     if isinstance(refusal, TokenUnaccounted):
@@ -229,12 +252,14 @@ class Arbiter:
         tokens: Sequence[TokenSpec],
         transient: bool,
         policy: Policy,
+        in_place: bool = False,
     ) -> ClaimPlan:
         by_name = {token.name: token for token in tokens}
         # Outside the lock: these may ask libvirt, whose hooks call back in here.
         seen = self.ledger.read()
         holders = self.host.holders(tokens)
-        blockers = self._blockers(mode, tokens)
+        blockers = {} if in_place else self._blockers(mode, tokens)
+        vf_users = self._vf_users(mode, tokens)
         boot_id = self.host.boot_id()
         alive = claimant_liveness(self.host, seen, boot_id)
         with self.ledger.transaction() as txn:
@@ -252,6 +277,9 @@ class Arbiter:
                 boot_id=boot_id,
                 blockers=blockers,
                 coverage=self.tokens.addresses(),
+                parents=self.tokens.parents(),
+                vf_users=vf_users,
+                in_place=in_place,
             )
             if plan.already_held:
                 own = txn.state.lease_of(claimant)
@@ -288,8 +316,10 @@ class Arbiter:
             if lease is not None:
                 # `created` restarts here: claim_grace counts from the moment the
                 # claimant may start, not from the intent (stopping holders takes time).
+                # The arbiter's own operation keeps its writer: it is its claimant.
+                owner = self.owner if lease.is_operation else None
                 txn.state = txn.state.with_lease(
-                    replace(lease, state=LeaseState.ACTIVE, created=now()).owned_by(None)
+                    replace(lease, state=LeaseState.ACTIVE, created=now()).owned_by(owner)
                 )
         self.events.emit(
             EventKind.ACTIVE, claimant=claimant, token=",".join(plan.tokens), mode=str(mode)
@@ -500,6 +530,12 @@ class Arbiter:
                     users=using,
                     unaccounted=lost,
                     bound_by_admin=bool(home) and all(d == VFIO for d in home.values()),
+                    virtual_functions=spec.virtual_functions,
+                    total_vfs=next(
+                        (f.sriov.total_vfs for f in spec.functions if f.sriov is not None), None
+                    ),
+                    physical_function=spec.physical_function,
+                    absent=spec.absent,
                 )
             )
         behind = reading.state is not None and recorded > state.generation
@@ -608,7 +644,9 @@ def _runs_with_active_lease(
 ) -> bool:
     """Whether `claimant` holds an active lease of this boot and still runs."""
     lease = state.lease_of(claimant)
-    return lease is not None and may_run_on_it(lease, boot_id) and arbiter.host.is_running(claimant)
+    return (
+        lease is not None and may_run_on_it(lease, boot_id) and claimant_runs(arbiter.host, lease)
+    )
 
 
 def _refuse_if_holders_came_back(

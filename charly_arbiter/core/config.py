@@ -92,6 +92,12 @@ class TokenConfig:
     # CDI device names (`nvidia.com/gpu=0`) that stand for this token in a
     # container's annotations (the OCI hook claims the token for them).
     cdi_devices: tuple[str, ...] = ()
+    # An SR-IOV physical function's VF count, set at boot by the reconcile unit
+    # (`charly-arbiter vfs --configured`): the kernel forgets it on every reboot.
+    vfs: int | None = None
+    # An NVIDIA vGPU virtual function's type (ID or name, as creatable_vgpu_types lists
+    # it), set when a VM claims it and cleared when it is released.
+    vgpu_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -356,7 +362,9 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
     if not name or not all(c.isalnum() or c in "-_." for c in name):
         raise ConfigError(reader.path, key, "a token name may only use letters, digits, - _ .")
     reader.no_unknown_keys(
-        spec, {"address", "home_driver", "cdi", "cdi_devices", "console"}, f"{key}."
+        spec,
+        {"address", "home_driver", "cdi", "cdi_devices", "console", "vfs", "vgpu_type"},
+        f"{key}.",
     )
     address = reader.get(spec, "address", str, None, f"{key}.address")
     if address is None:
@@ -380,6 +388,17 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
                 f"{key}.cdi_devices",
                 f"{device!r} is not a CDI device name (vendor.com/class=name)",
             )
+    vgpu_type = spec.get("vgpu_type")
+    if vgpu_type is not None:
+        if isinstance(vgpu_type, int) and not isinstance(vgpu_type, bool) and vgpu_type > 0:
+            vgpu_type = str(vgpu_type)
+        elif not isinstance(vgpu_type, str) or not vgpu_type.strip().isprintable():
+            raise ConfigError(
+                reader.path, f"{key}.vgpu_type", "expected a vGPU type's ID or its name"
+            )
+    vfs = reader.get(spec, "vfs", int, None, f"{key}.vfs")
+    if vfs is not None and not 0 <= vfs < 2**16:
+        raise ConfigError(reader.path, f"{key}.vfs", f"{vfs} is not a VF count (0 to 65535)")
     return TokenConfig(
         name=name,
         address=address,
@@ -389,6 +408,8 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
         if "console" in spec
         else None,
         cdi_devices=tuple(cdi_devices),
+        vfs=vfs,
+        vgpu_type=vgpu_type,
     )
 
 

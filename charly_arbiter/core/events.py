@@ -45,6 +45,10 @@ class EventKind(StrEnum):
     ADOPTED = "adopted"
     SEND_HOME = "send-home"
     RECOVERED = "recovered"
+    MIG = "mig"
+    MIG_DONE = "mig-done"
+    VF_COUNT = "vf-count"
+    VF_COUNTED = "vf-counted"
 
 
 # Events that begin a step which may take long (a VM shutting down, a bind);
@@ -110,7 +114,21 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
             f"(took {get('seconds', '?')} s)"
         ),
         EventKind.ACTIVE: lambda: f"{claimant} holds {token} ({get('mode', '?')})",
-        EventKind.POISONED: lambda: f"{token} is poisoned ({claimant}'s switch failed): {why}",
+        EventKind.POISONED: lambda: (
+            f"{token} is poisoned ({claimant}'s "
+            + ("operation" if claimant.startswith("arbiter:") else "switch")
+            + f" failed): {why}"
+        ),
+        EventKind.MIG: lambda: (
+            f"{token}: changing its MIG {get('change', '?')}, its holders stopped"
+        ),
+        EventKind.MIG_DONE: lambda: f"{token}: MIG {get('change', '?')} done, its holders back",
+        EventKind.VF_COUNT: lambda: (
+            f"{token}: changing its VF count from {get('before', '?')} to {get('count', '?')}"
+        ),
+        EventKind.VF_COUNTED: lambda: (
+            f"{token} has {get('count', '?')} VFs now (took {get('seconds', '?')} s)"
+        ),
         EventKind.RELEASE: lambda: f"{claimant} releases its lease",
         EventKind.FAILED: lambda: f"{claimant}'s claim failed and is undone: {why}",
         EventKind.RESTORE: lambda: f"restoring {claimant}",

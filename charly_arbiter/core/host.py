@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from charly_arbiter.core.model import Claimant, ConsolePolicy, ProcessRef
-from charly_arbiter.core.pci import slot_of
+from charly_arbiter.core.pci import slot_of, vf_address
 from charly_arbiter.errors import cli_command
 
 # Switch targets: a driver name, or NO_DRIVER for "not vfio-pci, whatever the
@@ -39,10 +39,117 @@ class Sriov:
 
     total_vfs: int
     vfs: tuple[str, ...] = ()
+    # Where the kernel puts the VFs (`sriov_offset`, `sriov_stride`): a VF's address is
+    # known before it exists, and after its `physfn` link is gone (a stuck teardown).
+    offset: int = 1
+    stride: int = 1
 
     @property
     def num_vfs(self) -> int:
         return len(self.vfs)
+
+    def possible(self, physfn: str) -> tuple[str, ...]:
+        """Every address a VF of the physical function at `physfn` can have."""
+        return tuple(
+            vf_address(physfn, index, self.offset, self.stride) for index in range(self.total_vfs)
+        )
+
+
+# A switch target for NVIDIA's vGPU on a virtual function: the VF stays on `nvidia`
+# and is given vGPU type ID (`nvidia/current_vgpu_type`), where another VF would go
+# to vfio-pci.
+VGPU = "vgpu:"
+
+
+def vgpu_target(type_id: int) -> str:
+    return f"{VGPU}{type_id}"
+
+
+def vgpu_type_of(target: str) -> int | None:
+    """The vGPU type a switch target asks for (None: a driver, not a vGPU type)."""
+    return int(target[len(VGPU) :]) if target.startswith(VGPU) else None
+
+
+@dataclass(frozen=True)
+class Vgpu:
+    """An NVIDIA vGPU virtual function's side, as NVIDIA's vGPU software 17 and later
+    lays it out on GPUs that have no mdev (Ada, Hopper and newer) under the VF's
+    sysfs directory, in `nvidia/` (NVIDIA Virtual GPU Software User Guide, "Creating
+    an NVIDIA vGPU on a Linux with KVM Hypervisor that Uses a Vendor-Specific VFIO
+    Framework"): `creatable_vgpu_types` lists the types the VF can be given *now*,
+    one `ID : name` a line (fewer once other VFs have types: a GPU runs one kind at a
+    time unless it is in mixed mode), and `current_vgpu_type` holds the type it has
+    (0: none); writing an ID there creates the vGPU, writing 0 removes it.  The VF
+    stays on `nvidia` all along: bound to vfio-pci it is refused (EINVAL)."""
+
+    creatable: tuple[tuple[int, str], ...] = ()
+    current: int = 0
+
+    def find(self, wanted: str) -> tuple[int, str] | None:
+        """The creatable type named `wanted`: its ID, or its name (any case)."""
+        for type_id, name in self.creatable:
+            if wanted.strip() == str(type_id) or wanted.strip().lower() == name.lower():
+                return type_id, name
+        return None
+
+    def listed(self) -> str:
+        return ", ".join(f"{name} ({type_id})" for type_id, name in self.creatable) or "none"
+
+
+def parse_vgpu_types(text: str) -> tuple[tuple[int, str], ...]:
+    """`creatable_vgpu_types` as NVIDIA's guide shows it (`ID : vGPU Name` under a
+    header line), and, leniently, `name ID` lines as other tools lay it out."""
+    found = []
+    for line in text.splitlines():
+        left, colon, right = line.partition(":")
+        if colon and left.strip().isdigit():
+            found.append((int(left.strip()), right.strip()))
+            continue
+        words = line.split()
+        if len(words) >= 2 and words[-1].isdigit():
+            found.append((int(words[-1]), " ".join(words[:-1])))
+    return tuple(found)
+
+
+@dataclass(frozen=True)
+class MigInstance:
+    """One MIG device of a GPU (a compute instance in its GPU instance), as NVML lists
+    it: `index` is the MIG device's index under its GPU, which NVIDIA's CDI spec
+    generator puts in its names (`nvidia.com/gpu=GPU:INDEX`)."""
+
+    index: int
+    gpu_instance: int
+    compute_instance: int
+    uuid: str  # MIG-...
+    profile: str  # 1g.10gb, 3g.40gb, ...
+
+
+@dataclass(frozen=True)
+class MigState:
+    """A MIG-capable GPU's mode (and the mode it takes at its next reset, when that
+    differs), its NVML index and its instances."""
+
+    enabled: bool
+    pending: bool
+    index: int
+    instances: tuple[MigInstance, ...] = ()
+
+    def instance(self, index: int) -> MigInstance | None:
+        return next((i for i in self.instances if i.index == index), None)
+
+
+@dataclass(frozen=True)
+class MigChange:
+    """What `mig TOKEN` asks: MIG mode on or off, or a layout (its instances' profiles,
+    each a GPU instance with one compute instance that takes all of it)."""
+
+    enabled: bool | None = None
+    layout: tuple[str, ...] | None = None
+
+    def __str__(self) -> str:
+        if self.layout is not None:
+            return "layout " + (",".join(self.layout) or "(none)")
+        return "on" if self.enabled else "off"
 
 
 def sriov_enabled_why(count: int) -> str:
@@ -71,6 +178,7 @@ class PciFunction:
     # that can have virtual functions says how many and which (None: it cannot).
     physfn: str | None = None
     sriov: Sriov | None = None
+    vgpu: Vgpu | None = None  # an NVIDIA vGPU virtual function (see Vgpu)
 
     @property
     def is_display(self) -> bool:
@@ -93,12 +201,35 @@ class TokenSpec:
     home_driver: str | None = None  # from the configuration, when the operator set one
     cdi: bool = True
     console: ConsolePolicy = ConsolePolicy.REFUSE  # a GPU driving the console
+    # A token configured on a virtual function, whose physical function's token (its
+    # `sriov_offset` and `sriov_stride`) places it there: that PF's address.  Known
+    # whether the VF exists now or not; its `functions` are empty while it does not.
+    vf_of: str | None = None
+    # For an NVIDIA vGPU virtual function: the vGPU type (ID or name) its exclusive
+    # claim gives it, in place of passing it through on vfio-pci.
+    vgpu_type: str | None = None
+
+    @property
+    def primary(self) -> PciFunction | None:
+        """The function at the token's own address (None: it does not exist now)."""
+        return next((f for f in self.functions if f.address == self.address), None)
 
     @property
     def physical_function(self) -> str | None:
         """For a token on a virtual function: the physical function it belongs to."""
         primary = next((f for f in self.functions if f.address == self.address), None)
-        return primary.physfn if primary is not None else None
+        physfn = primary.physfn if primary is not None else None
+        return physfn or self.vf_of
+
+    @property
+    def label(self) -> str:
+        """How refusals name it: `gpu0 (0000:0a:00.0)`."""
+        return f"{self.name} ({self.address})"
+
+    @property
+    def absent(self) -> bool:
+        """A token on a virtual function that does not exist now (its PF has fewer VFs)."""
+        return not self.functions
 
     @property
     def virtual_functions(self) -> tuple[str, ...]:
@@ -213,6 +344,25 @@ class Host(Protocol):
         Raises `SwitchFailed` (or `SwitchHung` from the watchdog); the caller
         poisons the token.  Never hangs past the configured switch timeout.
         """
+        ...
+
+    def write_vf_count(self, address: str, count: int) -> None:
+        """Write `count` to the physical function's `sriov_numvfs`, as the kernel takes it.
+
+        Raises `VfCountFailed` with the kernel's errno, or `VfCountHung` when the write
+        did not return within the switch timeout: it stays stuck in the kernel (a VF's
+        VFIO device held open), in a helper process, and nothing more is written to the
+        device from this process."""
+        ...
+
+    def mig(self, token: TokenSpec) -> MigState | None:
+        """The token's GPU's MIG mode and instances (None: it has no MIG, or NVML cannot
+        say; `mig_error` then says why)."""
+        ...
+
+    def set_mig(self, token: TokenSpec, change: MigChange) -> MigState:
+        """Change the GPU's MIG mode or layout (every client of the GPU must be gone);
+        raises `MigFailed` with what NVML said."""
         ...
 
     def holders(self, tokens: Sequence[TokenSpec]) -> Sequence[Holder]:

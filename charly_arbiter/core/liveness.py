@@ -24,7 +24,7 @@ def claimant_liveness(host: Host, state: LedgerState | None, boot_id: str) -> di
     asked = [
         lease.claimant
         for lease in state.leases
-        if lease.state is LeaseState.ACTIVE and lease.boot_id == boot_id
+        if lease.state is LeaseState.ACTIVE and lease.boot_id == boot_id and not lease.is_operation
     ]
     return host.are_running(asked) if asked else {}
 
@@ -42,6 +42,9 @@ def stranded_claimants(
     The writer of an acquiring or releasing lease is known by pid and start
     time: a zombie, or another process that got its pid, is not it.
 
+    The arbiter's own operations (`arbiter:vfs/gpu0`) are their writer: stranded
+    once it is gone, in any state.
+
     A claimant may not run yet within `grace` seconds of its claim (a VM
     between its prepare hook and its start).  `alive` says whether each
     claimant runs (asked in one pass, before the lock); a claimant it does not
@@ -52,7 +55,7 @@ def stranded_claimants(
     for lease in state.leases:
         if lease.boot_id != boot_id:
             stranded.add(lease.claimant)
-        elif lease.state is not LeaseState.ACTIVE:
+        elif lease.state is not LeaseState.ACTIVE or lease.is_operation:
             owner = lease.owner
             if owner is None or not process_alive(owner):
                 stranded.add(lease.claimant)
@@ -69,3 +72,12 @@ def _young(lease: Lease, grace: float) -> bool:
     except ValueError:
         return False
     return age < grace
+
+
+def claimant_runs(host: Host, lease: Lease) -> bool:
+    """Whether the lease's claimant runs: asked of the host, but for the arbiter's own
+    operations, whose claimant is the process that carries them out."""
+    if lease.is_operation:
+        owner = lease.owner
+        return owner is not None and host.process_alive(owner)
+    return host.is_running(lease.claimant)

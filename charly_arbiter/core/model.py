@@ -105,6 +105,29 @@ class HolderKind(StrEnum):
     NVIDIA_PERSISTENCE = "nvidia-persistence"
     PROXMOX = "proxmox"
     LXC = "lxc"
+    ARBITER = "arbiter"
+
+
+# The arbiter's own operations on a GPU, each a claimant of kind `arbiter` named
+# `OPERATION/TOKEN`: changing a physical function's VF count (`vfs`), changing a GPU's
+# MIG mode or layout (`mig`).  Their lease lives as long as the process that carries
+# the operation out (its writer, by pid and start time), and one GPU has at most one
+# of each at a time (a second finds the first's lease).
+ARBITER_OPERATIONS = ("vfs", "mig")
+_TOKEN_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _arbiter_problem(name: str) -> str | None:
+    operation, slash, token = name.partition("/")
+    if not slash or operation not in ARBITER_OPERATIONS or _TOKEN_NAME.fullmatch(token) is None:
+        operations = ", ".join(ARBITER_OPERATIONS)
+        return f"the arbiter's own claimants are OPERATION/TOKEN, OPERATION one of {operations}"
+    return None
+
+
+def operation_claimant(operation: str, token: str) -> Claimant:
+    """The claimant of the arbiter's own `operation` on `token` (`arbiter:vfs/gpu0`)."""
+    return Claimant.of(HolderKind.ARBITER, f"{operation}/{token}")
 
 
 # The rules of what each kind names.
@@ -116,10 +139,14 @@ KINDS = {
     HolderKind.NVIDIA_PERSISTENCE: _persistence_problem,
     HolderKind.PROXMOX: _vmid_problem,
     HolderKind.LXC: _vmid_problem,
+    HolderKind.ARBITER: _arbiter_problem,
 }
 # nvidia-persistence is a holder the host finds by itself, never a claimant a person
-# names; every other kind is both (and a holder source answers for it).
-CLAIMANT_KINDS = tuple(kind for kind in HolderKind if kind != HolderKind.NVIDIA_PERSISTENCE)
+# names; arbiter is the arbiter's own operations, claimants no holder source is asked
+# of and no person names; every other kind is both (and a holder source answers for it).
+CLAIMANT_KINDS = tuple(
+    kind for kind in HolderKind if kind not in (HolderKind.NVIDIA_PERSISTENCE, HolderKind.ARBITER)
+)
 
 
 class ProcessPolicy(StrEnum):
@@ -313,8 +340,15 @@ class Lease:
         object.__setattr__(self, "claimant", Claimant.parse(self.claimant))
 
     @property
+    def is_operation(self) -> bool:
+        """A lease of the arbiter's own operation (`arbiter:vfs/gpu0`): it lives as long
+        as its writer, whatever its state."""
+        return self.claimant.kind == "arbiter"
+
+    @property
     def owner(self) -> ProcessRef | None:
-        """The process carrying out an acquiring or releasing lease (None when active)."""
+        """The process carrying out an acquiring or releasing lease (None when active,
+        but for the arbiter's own operations, which keep theirs)."""
         return ProcessRef(self.owner_pid, self.owner_start) if self.owner_pid > 0 else None
 
     def owned_by(self, owner: ProcessRef | None) -> Lease:
@@ -340,6 +374,13 @@ class Lease:
         if all(r.holder != record.holder for r in self.stopped):
             records.append(record)
         return replace(self, stopped=tuple(records))
+
+
+def blocks_token(lease: Lease, token: str) -> bool:
+    """Whether `lease` still holds `token` (a releasing lease lets go token by token)."""
+    if token not in lease.tokens:
+        return False
+    return not (lease.state is LeaseState.RELEASING and lease.switch_state(token) is StepState.DONE)
 
 
 @dataclass(frozen=True)

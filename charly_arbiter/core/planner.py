@@ -8,10 +8,10 @@ tested over every pair of states.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from charly_arbiter.core.events import a_or_an
-from charly_arbiter.core.host import NO_DRIVER, Blocker, Holder, TokenSpec
+from charly_arbiter.core.host import NO_DRIVER, Blocker, DeviceUser, Holder, TokenSpec
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
@@ -22,8 +22,11 @@ from charly_arbiter.core.model import (
     Mode,
     StepState,
     StoppedHolder,
+    blocks_token,
     human_time,
 )
+from charly_arbiter.core.vfs import refuse_by_relation
+from charly_arbiter.core.vgpu import vgpu_target_of
 from charly_arbiter.errors import (
     ClaimRefused,
     PassthroughImpossible,
@@ -115,7 +118,12 @@ def unaccounted(ledger: LedgerState, token: TokenSpec) -> tuple[str, ...]:
     host contradicting the ledger (I2): a lease was lost with a deleted or replaced
     ledger, or something outside the arbiter bound it.  Empty when all is well.
     """
-    on_vfio = [f.address for f in token.functions if f.driver == VFIO]
+    # (an NVIDIA vGPU VF with a type set is given to a VM as one on vfio-pci is)
+    on_vfio = [
+        f.address
+        for f in token.functions
+        if f.driver == VFIO or (f.vgpu is not None and f.vgpu.current)
+    ]
     if not on_vfio or ledger.poison_of(token.name) is not None:
         return ()
     if any(lease.mode is Mode.EXCLUSIVE for lease in ledger.leases_on(token.name)):
@@ -156,13 +164,6 @@ def overlapping(
     return None
 
 
-def blocks_token(lease: Lease, token: str) -> bool:
-    """Whether `lease` still holds `token` (a releasing lease lets go token by token)."""
-    if token not in lease.tokens:
-        return False
-    return not (lease.state is LeaseState.RELEASING and lease.switch_state(token) is StepState.DONE)
-
-
 def decide_claim(
     ledger: LedgerState,
     claimant: Claimant,
@@ -176,6 +177,9 @@ def decide_claim(
     boot_id: str | None = None,
     blockers: Mapping[str, Blocker] | None = None,
     coverage: Mapping[str, Collection[str]] | None = None,
+    parents: Mapping[str, str] | None = None,
+    vf_users: Sequence[DeviceUser] = (),
+    in_place: bool = False,
 ) -> ClaimPlan:
     """Decide a claim, or raise the `ClaimRefused` that says why it cannot be had.
 
@@ -185,7 +189,14 @@ def decide_claim(
     host cannot pass through at all; an exclusive claim on one is refused
     before anything is stopped.  `coverage` maps every token of the catalogue to
     its functions' addresses: a claim on a function another token's lease (or
-    poison) covers is refused, whatever the tokens are called.
+    poison) covers is refused, whatever the tokens are called.  `parents` maps
+    each token on an SR-IOV virtual function to its physical function's address,
+    and `vf_users` are the processes that have a node of a claimed token's VFs
+    open: the PF↔VF rules of `core/vfs.py` refuse an exclusive claim on a PF
+    whose VFs are in use, and a claim on a VF whose PF is held exclusively.
+    `in_place` is an exclusive claim that leaves the GPU on its driver (the
+    arbiter's own MIG change): it stops every holder, as any exclusive claim
+    does, and switches nothing.
     """
     names = tuple(token.name for token in tokens)
     for token in tokens:
@@ -213,9 +224,24 @@ def decide_claim(
             raise TokenUnaccounted(
                 _label(token), claimant, ", ".join(found), hint=unaccounted_hint(token.name)
             )
-    if mode is Mode.EXCLUSIVE:
+    refuse_by_relation(
+        ledger,
+        claimant,
+        mode,
+        tokens,
+        parents=parents or {},
+        coverage=coverage or {},
+        vf_users=vf_users,
+        in_place=in_place,
+    )
+    vgpu_targets = {}
+    for token in tokens:
+        target = None if in_place else vgpu_target_of(token, claimant, mode)
+        if target is not None:
+            vgpu_targets[token.name] = target
+    if mode is Mode.EXCLUSIVE and not in_place:
         for token in tokens:
-            blocker = (blockers or {}).get(token.name)
+            blocker = None if token.name in vgpu_targets else (blockers or {}).get(token.name)
             if blocker is not None:
                 raise PassthroughImpossible(_label(token), claimant, blocker.why, blocker.hint)
 
@@ -280,8 +306,20 @@ def decide_claim(
                     retry=True,
                 )
 
+    for token in tokens if in_place else ():
+        away = [f.address for f in token.functions if f.driver == VFIO]
+        if away:
+            raise ClaimRefused(
+                _label(token),
+                claimant,
+                f"{', '.join(away)} is on vfio-pci: this is done on the GPU's own driver",
+                hint=f"bring it home first ({cli_command('status')} shows what holds it)",
+            )
     if mode is Mode.EXCLUSIVE:
-        return _decide_exclusive(ledger, claimant, tokens, holders, stranded, transient, policy)
+        plan = _decide_exclusive(
+            ledger, claimant, tokens, holders, stranded, transient, policy, vgpu_targets
+        )
+        return replace(plan, switches=()) if in_place else plan
     return _decide_shared(ledger, claimant, tokens, holders, transient, policy)
 
 
@@ -293,6 +331,7 @@ def _decide_exclusive(
     stranded: frozenset[Claimant],
     transient: bool,
     policy: Policy,
+    in_place: Mapping[str, str],
 ) -> ClaimPlan:
     names = tuple(token.name for token in tokens)
     preempted: dict[Claimant, tuple[str, ...]] = {}
@@ -343,11 +382,13 @@ def _decide_exclusive(
         stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens, shared_tokens))
 
     _refuse_stops_being_started(ledger, claimant, stops, tokens, stranded)
+    # To vfio-pci; an NVIDIA vGPU VF stays on its driver and gets its type (`in_place`).
     switches = tuple(
-        Switch(token.name, function.address, function.driver, VFIO)
+        Switch(token.name, function.address, function.driver, in_place.get(token.name, VFIO))
         for token in tokens
         for function in token.functions
         if function.driver != VFIO
+        and (token.name not in in_place or function.address == token.address)
     )
     return ClaimPlan(
         claimant,
@@ -593,4 +634,4 @@ def _refuse_by_policy(
 
 
 def _label(token: TokenSpec) -> str:
-    return f"{token.name} ({token.address})"
+    return token.label

@@ -32,7 +32,7 @@ ledger, so the release and its projection write the same thing.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -47,8 +47,9 @@ from charly_arbiter.core.model import (
     ProcessRef,
     StepState,
     StoppedHolder,
+    blocks_token,
 )
-from charly_arbiter.core.planner import Switch, blocks_token, home_map
+from charly_arbiter.core.planner import Switch, home_map
 from charly_arbiter.errors import ClaimantRunning, LeaseInProgress
 
 # -- 1. may it be released, and the intent ------------------------------------------------
@@ -219,6 +220,7 @@ def decide_release(
     takeover: ProcessRef | None = None,
     success: bool = True,
     reason: str = "",
+    parents: Mapping[str, str] | None = None,
 ) -> ReleasePlan | None:
     """Decide the release of `claimant`'s lease, or raise why it may not be had.
 
@@ -253,7 +255,7 @@ def decide_release(
         for token in lease.tokens
     )
     plan = ReleasePlan(lease.claimant, lease, releasing, handovers, homes, continued=continued)
-    return project(state, plan, tokens, boot_id)
+    return project(state, plan, tokens, boot_id, parents)
 
 
 def _intent(
@@ -397,12 +399,15 @@ def decide_home(state: LedgerState, token: str, spec: TokenSpec | None) -> HomeS
         return HomeStep(token, HomeWay.POISONED)
     home = home_map(state, spec)
     current = {function.address: function.driver for function in spec.functions}
+    # An NVIDIA vGPU VF with a type is not home on nvidia: its way home clears the type.
+    typed = {f.address for f in spec.functions if f.vgpu is not None and f.vgpu.current}
     switches = tuple(
         Switch(token, address, current.get(address), driver)
         for address, driver in home.items()
         # (A home of vfio-pci, `adopt --admin`'s, is where it stays.)
         if (current.get(address) == VFIO and driver != VFIO)
         or (driver and current.get(address) != driver)
+        or address in typed
     )
     return HomeStep(token, HomeWay.SWITCH if switches else HomeWay.HOME, switches)
 
@@ -527,6 +532,7 @@ def decide_return(
     *,
     running: bool,
     home: Collection[str],
+    parents: Mapping[str, str] | None = None,
 ) -> Return:
     """The shared lease a holder that came back gets again: on the tokens it shared
     that are home (`home`: every function off vfio-pci, read after its start).
@@ -540,10 +546,12 @@ def decide_return(
     all the same, the lease is not recreated beside it (`taken_meanwhile`, the
     last guard of I1).  A holder that does not run (a terminated process cannot
     be started again) gets none, and neither does one whose own hook claimed
-    again while it started: that lease stands.
+    again while it started: that lease stands.  A token on a virtual function whose
+    physical function's token (`parents`) another lease holds exclusively counts as
+    taken too: a VF's lease is a use of its PF (core/vfs.py).
     """
     tokens = tuple(t for t in dict.fromkeys(record.shared_tokens) if running and t in home)
-    taken = tuple(taken_meanwhile(state, claimant, record, tokens))
+    taken = tuple(taken_meanwhile(state, claimant, record, tokens, parents or {}))
     if taken:
         return Return(record.holder, (), taken)
     if tokens and state.lease_of(record.holder) is not None:
@@ -552,21 +560,36 @@ def decide_return(
 
 
 def taken_meanwhile(
-    state: LedgerState, claimant: Claimant, record: StoppedHolder, tokens: tuple[str, ...]
+    state: LedgerState,
+    claimant: Claimant,
+    record: StoppedHolder,
+    tokens: tuple[str, ...],
+    parents: Mapping[str, str] | None = None,
 ) -> list[str]:
-    """Which of `tokens` another exclusive lease holds: the shared lease of the
-    holder `claimant` brought back must not be recreated there (the last guard
+    """Which of `tokens` another exclusive lease holds, itself or (for a token on a
+    virtual function) through its physical function's token: the shared lease of
+    the holder `claimant` brought back must not be recreated there (the last guard
     of I1; the planner's waiting for STARTING records is the first)."""
+    parents = parents or {}
     return [
         token
         for token in dict.fromkeys(tokens)
         if any(
             other.mode is Mode.EXCLUSIVE
             and other.claimant not in (claimant, record.holder)
-            and blocks_token(other, token)
+            and (
+                blocks_token(other, token)
+                or (token in parents and blocks_token(other, parents[token]))
+            )
             for other in state.leases
         )
     ]
+
+
+def home_now(spec: TokenSpec) -> bool:
+    """Whether a token is home, as its functions read: every one off vfio-pci.  A token
+    on a virtual function that does not exist now is not (there is nothing to use)."""
+    return bool(spec.functions) and all(f.driver != VFIO for f in spec.functions)
 
 
 def apply_return(
@@ -632,14 +655,18 @@ def apply_end(state: LedgerState, claimant: Claimant, end: End) -> LedgerState:
 
 
 def project(
-    state: LedgerState, plan: ReleasePlan, tokens: Sequence[TokenSpec], boot_id: str
+    state: LedgerState,
+    plan: ReleasePlan,
+    tokens: Sequence[TokenSpec],
+    boot_id: str,
+    parents: Mapping[str, str] | None = None,
 ) -> ReleasePlan:
     """The plan with the rest of the release run over the state its intent leads to:
     every due token home, every start a success, nothing else happening meanwhile."""
     state = apply_intent(state, plan)
     if plan.lease is None:
         return plan
-    home = {spec.name for spec in tokens if all(f.driver != VFIO for f in spec.functions)}
+    home = {spec.name for spec in tokens if home_now(spec)}
     for step in plan.homes:
         if step.due and step.way is not HomeWay.UNKNOWN:
             state = apply_home(state, plan.claimant, step.token)
@@ -653,7 +680,9 @@ def project(
         comebacks.append(comeback)
         state = apply_comeback(state, comeback)
         if comeback.way is ComebackWay.START:
-            returned = decide_return(state, plan.claimant, comeback.record, running=True, home=home)
+            returned = decide_return(
+                state, plan.claimant, comeback.record, running=True, home=home, parents=parents
+            )
             returns.append(returned)
             state = apply_return(state, comeback, returned, boot_id=boot_id, created="")
     end = decide_end(state, plan.claimant, attempted)

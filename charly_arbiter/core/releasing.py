@@ -20,7 +20,8 @@ from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import EventKind, Events, drivers_label
 from charly_arbiter.core.host import Host, TokenSpec
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import VFIO, Claimant, LedgerState, ProcessRef, now
+from charly_arbiter.core.liveness import claimant_runs
+from charly_arbiter.core.model import Claimant, LedgerState, ProcessRef, now
 from charly_arbiter.core.release_planner import (
     ComebackWay,
     End,
@@ -71,6 +72,7 @@ class Releaser:
             boot_id=self.host.boot_id(),
             live_writers=self._live_writers(state, ref),
             claimant_runs=not force and self._runs(state, ref),
+            parents=self.tokens.parents(),
         )
 
     def _runs(self, state: LedgerState, claimant: Claimant) -> bool:
@@ -78,7 +80,7 @@ class Releaser:
         return (
             lease is not None
             and rules.may_run_on_it(lease, self.host.boot_id())
-            and self.host.is_running(claimant)
+            and claimant_runs(self.host, lease)
         )
 
     def _live_writers(self, state: LedgerState, claimant: Claimant) -> frozenset[ProcessRef]:
@@ -161,6 +163,7 @@ class Releaser:
                 takeover=takeover,
                 success=success,
                 reason=reason,
+                parents=self.tokens.parents(),
             )
             if plan is None:
                 return None
@@ -276,7 +279,12 @@ class Releaser:
         boot_id = self.host.boot_id()
         with self.ledger.transaction() as txn:
             returned = rules.decide_return(
-                txn.state, comeback.lease, record, running=running, home=home
+                txn.state,
+                comeback.lease,
+                record,
+                running=running,
+                home=home,
+                parents=self.tokens.parents(),
             )
             txn.state = rules.apply_return(
                 txn.state, comeback, returned, boot_id=boot_id, created=now()
@@ -295,5 +303,5 @@ def _home_tokens(tokens: TokenCatalogue, names: Collection[str]) -> frozenset[st
     return frozenset(
         spec.name
         for spec in tokens.known(list(names))
-        if all(function.driver != VFIO for function in tokens.functions_now(spec))
+        if rules.home_now(replace(spec, functions=tuple(tokens.functions_now(spec))))
     )

@@ -22,14 +22,15 @@ the host together; `merged` says which (doctor shows it).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
 from charly_arbiter.core.config import DEFAULT_CONFIG, Config
-from charly_arbiter.core.host import PciFunction, TokenSpec
-from charly_arbiter.errors import TokensOverlap, UnknownToken
+from charly_arbiter.core.host import MigState, PciFunction, TokenSpec
+from charly_arbiter.core.model import Mode
+from charly_arbiter.errors import HostError, MigInvalid, TokensOverlap, UnknownToken, cli_command
 
 
 def overlap(specs: Iterable[TokenSpec]) -> tuple[str, str, str] | None:
@@ -73,6 +74,29 @@ class PciSource(Protocol):
     def token_functions(self, name: str, address: str) -> Sequence[PciFunction]: ...
 
 
+def _with_physical_functions(
+    specs: dict[str, TokenSpec], missing: Mapping[str, HostError]
+) -> dict[str, TokenSpec]:
+    """Each configured token that sits where a configured physical function puts a
+    virtual function learns that PF's address (`vf_of`), whether the VF exists now or
+    not: the count may be 0, or a teardown stuck half-way may have taken its `physfn`
+    link.  A configured address that is no device and no such VF is an error, as before.
+    """
+    places = {
+        vf: function.address
+        for spec in specs.values()
+        for function in spec.functions
+        if function.sriov is not None
+        for vf in function.sriov.possible(function.address)
+    }
+    for name, spec in list(specs.items()):
+        if name in missing and spec.address not in places:
+            raise missing[name]
+        if spec.address in places:
+            specs[name] = replace(spec, vf_of=places[spec.address])
+    return specs
+
+
 class TokenCatalogue:
     def __init__(self, config: Config, host: PciSource) -> None:
         self.config = config
@@ -91,8 +115,12 @@ class TokenCatalogue:
             specs: dict[str, TokenSpec] = {}
             merged: dict[str, str] = {}
             if self.config.tokens:
+                missing: dict[str, HostError] = {}
                 for token in self.config.tokens:
-                    functions = tuple(self.host.token_functions(token.name, token.address))
+                    try:
+                        functions = tuple(self.host.token_functions(token.name, token.address))
+                    except HostError as error:
+                        functions, missing[token.name] = (), error
                     specs[token.name] = TokenSpec(
                         token.name,
                         token.address,
@@ -100,7 +128,9 @@ class TokenCatalogue:
                         token.home_driver,
                         token.cdi,
                         token.console or self.config.console,
+                        vgpu_type=token.vgpu_type,
                     )
+                specs = _with_physical_functions(specs, missing)
             else:
                 for gpu in self.host.gpus():
                     if gpu.is_virtual:
@@ -128,10 +158,7 @@ class TokenCatalogue:
     def addresses(self) -> dict[str, frozenset[str]]:
         """token -> the addresses of its functions: what the planner checks a claim
         against, so that no function is claimed under two names."""
-        return {
-            name: frozenset(f.address for f in spec.functions) | {spec.address}
-            for name, spec in self.all().items()
-        }
+        return {name: _addresses(spec) for name, spec in self.all().items()}
 
     def refresh(self) -> None:
         """Forget what was read: the next question reads the host again (a long-lived
@@ -145,6 +172,41 @@ class TokenCatalogue:
         if missing:
             raise UnknownToken(missing[0], sorted(known))
         return [known[name] for name in dict.fromkeys(names)]
+
+    def parent_names(
+        self, names: Sequence[str], mode: Mode, mig: Callable[[TokenSpec], MigState | None]
+    ) -> list[str]:
+        """The names with each MIG sub-token (`TOKEN:N`, the MIG instance N of TOKEN's
+        GPU) as its GPU's token, once the GPU has that instance now (`mig`, the host's
+        reading of a GPU's MIG state: the catalogue's PCI side alone has none): a
+        container using an instance uses the GPU, on its driver, beside the others
+        (shared only)."""
+        found = []
+        known = self.all()
+        for name in names:
+            # (a token named after its address, without a configuration, has colons too)
+            parent, colon, index = name.rpartition(":")
+            if name in known or not colon or not index.isdigit() or parent not in known:
+                found.append(name)
+                continue
+            [spec] = self.resolve([parent])
+            if mode is not Mode.SHARED:
+                raise MigInvalid(name, "a MIG instance is claimed shared (it is a use of the GPU)")
+            state = mig(spec)
+            if state is None or state.instance(int(index)) is None:
+                have = (
+                    ", ".join(f"{parent}:{i.index} ({i.profile})" for i in state.instances)
+                    if state
+                    else ""
+                )
+                raise MigInvalid(
+                    name,
+                    f"{parent} has no MIG instance {index}"
+                    + (f" (it has {have})" if have else " (MIG is off, or NVML cannot say)"),
+                    hint=f"run {cli_command('mig', operands=[parent])} to see its instances",
+                )
+            found.append(parent)
+        return list(dict.fromkeys(found))
 
     def reread(self, names: Sequence[str]) -> list[TokenSpec]:
         """Like `resolve`, with each function's driver read again now."""
@@ -164,5 +226,43 @@ class TokenCatalogue:
                 return spec.name
         return None
 
+    def parents(self) -> dict[str, str]:
+        """token -> the token of its physical function, for the tokens on virtual
+        functions whose PF is a token too: what the planner needs to treat a leased VF
+        as a use of its PF."""
+        found = {}
+        for name, spec in self.all().items():
+            pf = spec.physical_function
+            owner = next(
+                (o.name for o in self.all().values() if o.name != name and pf in _addresses(o)),
+                None,
+            )
+            if pf is not None and owner is not None:
+                found[name] = owner
+        return found
+
     def functions_now(self, token: TokenSpec) -> Sequence[PciFunction]:
-        return self.host.token_functions(token.name, token.address)
+        """The token's functions, read again; none for a VF token whose VF is gone."""
+        try:
+            return self.host.token_functions(token.name, token.address)
+        except HostError:
+            if token.vf_of is None:
+                raise
+            return ()
+
+
+def _addresses(spec: TokenSpec) -> frozenset[str]:
+    return frozenset(f.address for f in spec.functions) | {spec.address}
+
+
+def vf_specs(host: PciSource, addresses: Iterable[str]) -> list[TokenSpec]:
+    """Each virtual function at these addresses, as a token of its own named by its
+    address (what a scan of device holders takes); one that does not exist is left out."""
+    found = []
+    for vf in addresses:
+        try:
+            functions = tuple(host.token_functions(vf, vf))
+        except HostError:
+            continue
+        found.append(TokenSpec(vf, vf, functions, cdi=False))
+    return found

@@ -61,6 +61,13 @@ def bounded(action: Callable[[], T], timeout: float, name: str) -> T:
     return outcome[0]
 
 
+def errno_text(error: OSError) -> str:
+    """An errno as people search for it: `EBUSY (Device or resource busy)`."""
+    name = errno.errorcode.get(error.errno or 0, "")
+    text = error.strerror or str(error)
+    return f"{name} ({text})" if name else text
+
+
 Writer = Callable[[Path, str], None]
 _HEADER = struct.Struct("=i")
 

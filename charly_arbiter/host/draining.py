@@ -36,7 +36,16 @@ from typing import Protocol
 
 from charly_arbiter.core import files
 from charly_arbiter.core.config import Config, HolderConfig
-from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, PciFunction, TokenSpec
+from charly_arbiter.core.host import (
+    Blocker,
+    DeviceUser,
+    Holder,
+    Host,
+    MigChange,
+    MigState,
+    PciFunction,
+    TokenSpec,
+)
 from charly_arbiter.core.model import Claimant, ProcessRef
 from charly_arbiter.errors import CommandFailed, HolderError
 from charly_arbiter.host import run
@@ -256,6 +265,20 @@ class Drained:
 
     def switch(self, token: TokenSpec, targets: Mapping[str, str]) -> None:
         self.inner.switch(token, targets)
+
+    def write_vf_count(self, address: str, count: int) -> None:
+        self.inner.write_vf_count(address, count)
+
+    def mig(self, token: TokenSpec) -> MigState | None:
+        return self.inner.mig(token)
+
+    def set_mig(self, token: TokenSpec, change: MigChange) -> MigState:
+        return self.inner.set_mig(token, change)
+
+    @property
+    def mig_error(self) -> str:
+        """Why `mig` said None last, where the host says (the local host's NVML)."""
+        return str(getattr(self.inner, "mig_error", ""))
 
     def device_users(self, tokens: Sequence[TokenSpec]) -> Sequence[DeviceUser]:
         return self.inner.device_users(tokens)

@@ -18,6 +18,8 @@ from charly_arbiter.core.host import (
     Blocker,
     DeviceUser,
     Holder,
+    MigChange,
+    MigState,
     PciFunction,
     TokenSpec,
 )
@@ -70,6 +72,15 @@ class HybridHost:
 
     def switch(self, token: TokenSpec, targets: Mapping[str, str]) -> None:
         self.sim.switch(token, targets)
+
+    def write_vf_count(self, address: str, count: int) -> None:
+        self.sim.write_vf_count(address, count)
+
+    def mig(self, token: TokenSpec) -> MigState | None:
+        return self.sim.mig(token)
+
+    def set_mig(self, token: TokenSpec, change: MigChange) -> MigState:
+        return self.sim.set_mig(token, change)
 
     def holders(self, tokens: Sequence[TokenSpec]) -> Sequence[Holder]:
         """The simulated holders, the real ones, and the real processes holding the

@@ -21,14 +21,26 @@ from charly_arbiter.core.host import (
     Blocker,
     DeviceUser,
     Holder,
+    MigChange,
+    MigState,
     PciFunction,
     TokenSpec,
     common_blocker,
+    vgpu_type_of,
 )
 from charly_arbiter.core.model import VFIO, Claimant, ConsolePolicy, ProcessRef, target_label
-from charly_arbiter.errors import CommandFailed, HostError, SwitchFailed, cli_command
+from charly_arbiter.errors import (
+    CommandFailed,
+    HostError,
+    MigFailed,
+    SwitchFailed,
+    SwitchHung,
+    VfCountFailed,
+    VfCountHung,
+    cli_command,
+)
 from charly_arbiter.host import run
-from charly_arbiter.host.blocking import Writer
+from charly_arbiter.host.blocking import TimedOut, Writer, bounded, errno_text
 from charly_arbiter.host.console import Console
 from charly_arbiter.host.devnodes import device_functions
 from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory, known_owner
@@ -77,8 +89,16 @@ class LocalPci:
 
     def _with_default_driver(self, function: PciFunction) -> PciFunction:
         """A function on vfio-pci or on no driver learns where the kernel would send it
-        home (the others are home already, or tell by their driver)."""
+        home (the others are home already, or tell by their driver).  A virtual function
+        whose PF has `sriov_drivers_autoprobe` off has none: the kernel binds no driver
+        to it by itself (seen on Linux 6.1), and an operator who turned it off keeps the
+        VFs for VMs, so its home is no driver, not the PF's driver."""
         if function.driver not in (None, VFIO):
+            return function
+        if (
+            function.physfn is not None
+            and self.sysfs.attribute(function.physfn, "sriov_drivers_autoprobe") == "0"
+        ):
             return function
         matching = self.modules.matching(self.sysfs.modalias(function.address))
         modules = [module for module in matching if self.modules.has(module)]
@@ -122,6 +142,7 @@ class LocalHost:
             config.timeouts.driver_switch,
         )
         self.nvml = Nvml()
+        self.mig_error = ""  # why `mig` said None last
         self.processes = ProcessHolders(
             config, self.sysfs, roots.proc, roots.dev, nvml_processes=self._nvml_processes
         )
@@ -159,6 +180,7 @@ class LocalHost:
                     f"it is not a function of {token.name}",
                 )
         self.nvml.close()  # an open NVML session holds /dev/nvidia* itself
+        targets = self._vgpu_types(targets)
         leaving = any(driver == VFIO for driver in targets.values())
         if leaving and token.console == ConsolePolicy.RELEASE:
             self.console.release(token)
@@ -166,6 +188,51 @@ class LocalHost:
         if not leaving and token.console == ConsolePolicy.RELEASE:
             self.console.restore(token)
         self._check_health(targets)
+
+    def _vgpu_types(self, targets: Mapping[str, str]) -> dict[str, str]:
+        """Give each NVIDIA vGPU VF its type (`vgpu:ID`), or clear it (0) where the VF goes
+        home, before anything else; what is left is the drivers' switch.  The writes are
+        the write helper's, under the watchdog, as unbind's are."""
+        drivers: dict[str, str] = {}
+        for address, target in sorted(targets.items()):
+            wanted = vgpu_type_of(target)
+            vgpu = self.sysfs.vgpu(address)
+            if wanted is None and (vgpu is None or not vgpu.current):
+                drivers[address] = target
+                continue
+            driver = self.sysfs.current_driver(address)
+            if wanted is not None and driver != "nvidia":
+                raise SwitchFailed(
+                    address, target, "check driver", f"a vGPU VF is on nvidia, not on {driver}"
+                )
+            self._write_vgpu_type(address, target, wanted or 0)
+            if wanted is None:
+                drivers[address] = target
+        return drivers
+
+    def _write_vgpu_type(self, address: str, target: str, type_id: int) -> None:
+        if address in self.switcher.hung:
+            raise SwitchFailed(
+                address, target, "current_vgpu_type", "an earlier write never returned"
+            )
+        path = self.sysfs.device(address) / "nvidia" / "current_vgpu_type"
+        writer = self.switcher.blocking_writer
+        timeout = self.config.timeouts.driver_switch
+        try:
+            bounded(lambda: writer(path, str(type_id)), timeout, f"sysfs {address} vgpu")
+        except TimedOut:
+            self.switcher.hung[address] = "current_vgpu_type"
+            raise SwitchHung(address, target_label(target), "current_vgpu_type", timeout) from None
+        except OSError as error:
+            raise SwitchFailed(address, target, "current_vgpu_type", errno_text(error)) from None
+        now = self.sysfs.vgpu(address)
+        if now is None or now.current != type_id:
+            raise SwitchFailed(
+                address,
+                target,
+                "verify",
+                f"current_vgpu_type reads {now.current if now else 'nothing'}, not {type_id}",
+            )
 
     def _check_health(self, targets: Mapping[str, str]) -> None:
         """After a switch home: does the device answer, and does its driver see it?
@@ -190,7 +257,12 @@ class LocalHost:
                     f"try a reset (`echo 1 > {self.sysfs.device(physfn or address)}/reset`), "
                     "else power the host off and on",
                 )
-        on_nvidia = [address for address, driver in home.items() if driver == "nvidia"]
+        # (a virtual function is no GPU of NVML's: an NVIDIA vGPU VF is not listed)
+        on_nvidia = [
+            address
+            for address, driver in home.items()
+            if driver == "nvidia" and self.sysfs.physfn(address) is None
+        ]
         if on_nvidia:
             seen = self.nvml.gpus()
             usable = self.nvml.error is None
@@ -213,7 +285,7 @@ class LocalHost:
                 "install the kernel's modules package (vfio-pci is part of it) "
                 "and check `modprobe vfio-pci`",
             )
-        if blocker is None and token.console == "refuse":
+        if blocker is None and token.console == ConsolePolicy.REFUSE:
             display = self.console.of(token, servers=True)
             if display.drives_it:
                 blocker = Blocker(
@@ -223,6 +295,47 @@ class LocalHost:
                     "arbiter take the console off it and give it back afterwards",
                 )
         return blocker
+
+    def write_vf_count(self, address: str, count: int) -> None:
+        """By the write helper, under the watchdog, as unbind is: a teardown whose VF's
+        VFIO device is held blocks in the kernel (vfio_unregister_group_dev) until the
+        holder lets go, and nothing can end the writer meanwhile."""
+        if address in self.switcher.hung:
+            raise VfCountFailed(address, count, "an earlier write to this device never returned")
+        path = self.sysfs.device(address) / "sriov_numvfs"
+        writer = self.switcher.blocking_writer
+        timeout = self.config.timeouts.driver_switch
+        try:
+            bounded(lambda: writer(path, str(count)), timeout, f"sysfs {address} sriov_numvfs")
+        except TimedOut:
+            self.switcher.hung[address] = "sriov_numvfs"
+            raise VfCountHung(address, count, timeout) from None
+        except OSError as error:
+            raise VfCountFailed(address, count, errno_text(error)) from None
+
+    def mig(self, token: TokenSpec) -> MigState | None:
+        if not any(f.vendor == NVIDIA_VENDOR for f in token.functions):
+            self.mig_error = "it is no NVIDIA GPU"
+            return None
+        try:
+            state = self.nvml.mig(token.address)
+            self.mig_error = self.nvml.error or ""
+            return state
+        finally:
+            self.nvml.close()
+
+    def set_mig(self, token: TokenSpec, change: MigChange) -> MigState:
+        """Under a watchdog: an NVML call that never returns (a GPU that fell off the bus)
+        must not keep the holders the change stopped down for good."""
+        timeout = self.config.timeouts.driver_switch
+        try:
+            return bounded(lambda: self.nvml.set_mig(token.address, change), timeout, "mig")
+        except TimedOut:
+            raise MigFailed(
+                token.address, str(change), f"NVML did not return within {timeout:g} s"
+            ) from None
+        finally:
+            self.nvml.close()  # it holds /dev/nvidia*, which the holders coming back need
 
     def _vfio_available(self) -> bool:
         """Loaded, built in, or listed among this kernel's modules (modprobe loads it)."""

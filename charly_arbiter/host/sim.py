@@ -39,16 +39,31 @@ from charly_arbiter.core.host import (
     Blocker,
     DeviceUser,
     Holder,
+    MigChange,
+    MigInstance,
+    MigState,
     PciFunction,
     Sriov,
     TokenSpec,
+    Vgpu,
     common_blocker,
     sriov_enabled_why,
+    vgpu_type_of,
 )
 from charly_arbiter.core.model import VFIO, Claimant, ConsolePolicy, ProcessRef, target_label
 from charly_arbiter.core.pci import vf_address
-from charly_arbiter.errors import HolderError, HostError, SwitchFailed, SwitchHung, cli_command
-from charly_arbiter.host.blocking import TimedOut, bounded
+from charly_arbiter.errors import (
+    HolderError,
+    HostError,
+    MigFailed,
+    MigInvalid,
+    SwitchFailed,
+    SwitchHung,
+    VfCountFailed,
+    VfCountHung,
+    cli_command,
+)
+from charly_arbiter.host.blocking import TimedOut, bounded, errno_text
 from charly_arbiter.host.procscan import (
     DeviceNumber,
     char_device_number,
@@ -68,9 +83,14 @@ HANG_POLL = 0.05  # how often a blocked teardown looks whether its fault was lif
 
 
 class SimHost:
-    def __init__(self, directory: Path, switch_timeout: float = 15.0) -> None:
+    def __init__(
+        self, directory: Path, switch_timeout: float = 15.0, count_timeout: float | None = None
+    ) -> None:
         self.directory = directory
         self.switch_timeout = switch_timeout
+        # The watchdog of a write of sriov_numvfs (the switch timeout, unless a test that
+        # makes switches hang in milliseconds wants the count's writes left alone).
+        self.count_timeout = switch_timeout if count_timeout is None else count_timeout
         self.description = f"sim:{directory}"
         # Its device nodes are files under DIR/dev; its processes (the CLI, the hooks,
         # a process holding a node) are this machine's.
@@ -192,10 +212,42 @@ class SimHost:
                     if driver in (None, VFIO)
                     else None,
                     physfn=device.get("physfn"),
-                    sriov=Sriov(int(total), tuple(a for _, a in links)) if total else None,
+                    vgpu=self._vgpu(address, driver, vfs),
+                    sriov=Sriov(
+                        int(total),
+                        tuple(a for _, a in links),
+                        int(device.get("sriov_offset", 1)),
+                        int(device.get("sriov_stride", 1)),
+                    )
+                    if total
+                    else None,
                 )
             )
         return result
+
+    def _vgpu_types(self, pf: str) -> dict[int, str]:
+        device = next((d for d in self._devices() if d["address"] == pf), {})
+        return {int(key): str(name) for key, name in device.get("vgpu_types", {}).items()}
+
+    def _vgpu(self, address: str, driver: str | None, vfs: Mapping[str, Any]) -> Vgpu | None:
+        """An NVIDIA vGPU VF's files (its PF lists `vgpu_types` and it is on nvidia), as
+        NVIDIA's vGPU user guide lays them out (see core.host.Vgpu): every type is
+        creatable while no VF of the GPU has one, then only the type the others have,
+        and none on a VF that has a type."""
+        vf = vfs.get(address)
+        if vf is None or driver != "nvidia":
+            return None
+        types = self._vgpu_types(vf["pf"])
+        if not types:
+            return None
+        current = int(vf.get("vgpu", 0))
+        taken = {int(v.get("vgpu", 0)) for v in vfs.values() if v["pf"] == vf["pf"]} - {0}
+        creatable = tuple(
+            (type_id, name)
+            for type_id, name in sorted(types.items())
+            if not current and (not taken or type_id in taken)
+        )
+        return Vgpu(creatable, current)
 
     def _vf_devices(self, vfs: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The VFs as device entries: the PF's vendor and class, the VF device id."""
@@ -221,6 +273,21 @@ class SimHost:
             vfs = dict(state.get("vfs", {}))
             autoprobe = dict(state.get("autoprobe", {}))
         devices = {d["address"]: d for d in [*self._devices(), *self._vf_devices(vfs)]}
+        drivers_now = {f.address: f.driver for f in self._functions()}
+        typed = {}  # address -> the vGPU type it gets (0: its type is cleared)
+        for address, driver in targets.items():
+            vgpu = self._vgpu(address, drivers_now.get(address), vfs)
+            wanted = vgpu_type_of(driver)
+            if wanted is not None:
+                if vgpu is None:
+                    raise SwitchFailed(address, driver, "current_vgpu_type", "ENOENT: no vGPU VF")
+                if vgpu.current or all(wanted != type_id for type_id, _ in vgpu.creatable):
+                    raise SwitchFailed(address, driver, "current_vgpu_type", "EINVAL")
+                typed[address] = wanted
+            elif vgpu is not None and vgpu.current:
+                typed[address] = 0
+            elif driver == VFIO and address in vfs and self._vgpu_types(vfs[address]["pf"]):
+                raise SwitchFailed(address, VFIO, "verify", "no driver took the device (EINVAL)")
         for address, driver in targets.items():
             device = devices.get(address, {})
             enabled = [vf for vf, v in vfs.items() if v["pf"] == address]
@@ -238,7 +305,12 @@ class SimHost:
             if device.get("fail_switch"):
                 raise SwitchFailed(address, target_label(driver), "verify", "simulated failure")
         with self._state() as state:
+            for address, type_id in typed.items():
+                state["vfs"][address]["vgpu"] = type_id
+                state["log"].append(f"vgpu {address} {type_id}")
             for address, driver in targets.items():
+                if address in typed and vgpu_type_of(driver) is not None:
+                    continue  # it stays on nvidia
                 home = devices.get(address, {}).get("driver", "")
                 new = driver if driver != NO_DRIVER else (home if home != VFIO else "")
                 pf = vfs[address]["pf"] if address in vfs else None
@@ -246,6 +318,13 @@ class SimHost:
                     new = ""  # a VF is probed only with its PF's autoprobe on
                 state["drivers"][address] = new
                 state["log"].append(f"switch {address} {new or '(none)'}")
+                if address in vfs:
+                    node = self._vf_node(vfs[address]["iommu_group"])
+                    if new == VFIO:
+                        node.parent.mkdir(parents=True, exist_ok=True)
+                        node.touch()
+                    else:
+                        node.unlink(missing_ok=True)
         for address, driver in sorted(targets.items()):
             if driver != VFIO and devices.get(address, {}).get("dead_at_home"):
                 # Bound, but it does not answer (a reset it did not survive).
@@ -279,7 +358,19 @@ class SimHost:
             for function in token.functions:
                 for node in nodes.get(function.address, []):
                     found[str(self._node_path(node))] = token.name
+                if function.physfn is not None and function.driver == VFIO:
+                    found[str(self._vf_node(function.iommu_group))] = token.name
         return found
+
+    def _vf_node(self, group: object) -> Path:
+        """A VF on vfio-pci has DIR/dev/vfio/GROUP, as the kernel makes /dev/vfio/N: a
+        real process that holds it open holds the VF (the way QEMU does)."""
+        return self.dev_root / "vfio" / str(group)
+
+    def _has_nodes(self) -> bool:
+        return any(device.get("nodes") for device in self._devices()) or any(
+            (self.dev_root / "vfio").glob("*")
+        )
 
     def _node_path(self, node: Any) -> Path:
         relative = Path(str(node))
@@ -303,14 +394,14 @@ class SimHost:
         self, tokens: Sequence[TokenSpec], owner_of: OwnerOf | None = None
     ) -> list[Holder]:
         """Real processes holding the tokens' nodes (none when host.toml lists no nodes)."""
-        if not any(device.get("nodes") for device in self._devices()):
+        if not self._has_nodes():
             return []
         return self.processes().holders(tokens, owner_of)
 
     def device_users(
         self, tokens: Sequence[TokenSpec], owner_of: OwnerOf | None = None
     ) -> list[DeviceUser]:
-        if not any(device.get("nodes") for device in self._devices()):
+        if not self._has_nodes():
             return []
         return self.processes().users(tokens, owner_of)
 
@@ -430,7 +521,75 @@ class SimHost:
     def close(self) -> None:
         pass
 
+    # -- MIG: what NVML says and does, for a GPU with `mig_profiles` ------------------------
+
+    def mig(self, token: TokenSpec) -> MigState | None:
+        """NVML's MIG view of the GPU: host.toml's `mig_profiles` (profile -> its compute
+        slices, of 7) make it MIG-capable; its mode and layout live in state.json."""
+        gpus = [d for d in self._devices() if str(d.get("class", "")).startswith("03")]
+        device = next((d for d in gpus if d["address"] == token.address), None)
+        if device is None or not device.get("mig_profiles"):
+            return None
+        with self._state() as state:
+            mig = dict(state.get("mig", {}).get(token.address, {}))
+        layout = list(mig.get("layout", []))
+        enabled = bool(mig.get("enabled", False))
+        return MigState(
+            enabled=enabled,
+            pending=False,
+            index=[d["address"] for d in gpus if d.get("vendor") == "10de"].index(token.address),
+            instances=tuple(
+                MigInstance(index, index + 1, 0, f"MIG-{token.address}-{index}", profile)
+                for index, profile in enumerate(layout if enabled else [])
+            ),
+        )
+
+    def set_mig(self, token: TokenSpec, change: MigChange) -> MigState:
+        """nvmlDeviceSetMigMode and the instances' destroy and create, as NVML refuses
+        them: while a client uses the GPU (a holder of its token runs), a layout
+        while MIG is off, a profile it does not have, more slices than its 7."""
+        before = self.mig(token)
+        device = next(d for d in self._devices() if d["address"] == token.address)
+        if before is None:
+            raise MigInvalid(token.name, "it has no MIG (simulated: no mig_profiles)")
+        running = [holder.ref for holder in self.simulated_holders([token]) if holder.running]
+        if running or device.get("fail_mig"):
+            why = f"In use by another client ({', '.join(running)})" if running else "simulated"
+            raise MigFailed(token.address, str(change), why)
+        profiles = {str(name): int(slices) for name, slices in device["mig_profiles"].items()}
+        with self._state() as state:
+            mig = state.setdefault("mig", {}).setdefault(token.address, {})
+            if change.layout is None:
+                mig["enabled"] = bool(change.enabled)
+                mig["layout"] = []
+            else:
+                if not mig.get("enabled"):
+                    raise MigInvalid(token.name, "MIG mode is off: turn it on first")
+                unknown = [p for p in change.layout if p not in profiles]
+                if unknown:
+                    raise MigInvalid(token.name, f"it has no MIG profile {unknown[0]}")
+                if sum(profiles[p] for p in change.layout) > 7:
+                    raise MigFailed(token.address, str(change), "Insufficient Resources")
+                mig["layout"] = list(change.layout)
+            state["log"].append(f"mig {token.address} {change}")
+        after = self.mig(token)
+        assert after is not None
+        return after
+
     # -- SR-IOV: the kernel's side of sriov_numvfs -------------------------------------
+
+    def write_vf_count(self, address: str, count: int) -> None:
+        """`write_sysfs` of `sriov_numvfs` under the watchdog, as the arbiter writes it."""
+        try:
+            bounded(
+                lambda: self.write_sysfs(address, "sriov_numvfs", str(count)),
+                self.count_timeout,
+                f"sysfs {address} sriov_numvfs",
+            )
+        except TimedOut:
+            raise VfCountHung(address, count, self.count_timeout) from None
+        except OSError as error:
+            raise VfCountFailed(address, count, errno_text(error)) from None
 
     def write_sysfs(self, address: str, attribute: str, text: str) -> None:
         """A write of `text` to bus/pci/devices/ADDRESS/ATTRIBUTE, as the kernel takes it
@@ -518,6 +677,7 @@ class SimHost:
             while self._hangs(pf["address"]):
                 time.sleep(HANG_POLL)
         with self._state() as state:
+            self._vf_node(state["vfs"][vf]["iommu_group"]).unlink(missing_ok=True)
             del state["vfs"][vf]
             del state["drivers"][vf]
 
@@ -544,6 +704,8 @@ class SimHost:
                 fresh["running"].setdefault(ref, False)
             fresh["cdi_generations"] = state["cdi_generations"]
             fresh["log"] = [*state["log"], "reboot"]
+            for vf in state.get("vfs", {}).values():  # VFs do not survive a reboot
+                self._vf_node(vf["iommu_group"]).unlink(missing_ok=True)
             state.clear()
             state.update(fresh)
 

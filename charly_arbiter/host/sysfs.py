@@ -27,7 +27,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from charly_arbiter.core.host import NO_DRIVER, PciFunction, Sriov, sriov_enabled_why
+from charly_arbiter.core.host import (
+    NO_DRIVER,
+    PciFunction,
+    Sriov,
+    Vgpu,
+    parse_vgpu_types,
+    sriov_enabled_why,
+)
 from charly_arbiter.core.model import VFIO, target_label
 from charly_arbiter.core.pci import parse_address
 from charly_arbiter.errors import HostError, SwitchFailed, SwitchHung
@@ -189,7 +196,23 @@ class Sysfs:
             if name.startswith("virtfn") and name[6:].isdigit()
         )
         vfs = (self._link_name(address, name) for _, name in links)
-        return Sriov(int(total), tuple(vf for vf in vfs if vf is not None))
+        offset, stride = (
+            self.attribute(address, name) for name in ("sriov_offset", "sriov_stride")
+        )
+        return Sriov(
+            int(total),
+            tuple(vf for vf in vfs if vf is not None),
+            int(offset) if offset.isdigit() else 1,
+            int(stride) if stride.isdigit() else 1,
+        )
+
+    def vgpu(self, address: str) -> Vgpu | None:
+        """An NVIDIA vGPU VF's types (None: the function has no `nvidia/` vGPU files)."""
+        creatable = self.attribute(address, "nvidia/creatable_vgpu_types")
+        current = self.attribute(address, "nvidia/current_vgpu_type")
+        if not current.isdigit():
+            return None
+        return Vgpu(parse_vgpu_types(creatable), int(current))
 
     def _link_name(self, address: str, link: str) -> str | None:
         try:
@@ -209,6 +232,7 @@ class Sysfs:
             iommu_group=self.iommu_group(address),
             physfn=self.physfn(address),
             sriov=self.sriov(address),
+            vgpu=self.vgpu(address),
         )
 
     def group_functions(self, address: str) -> list[PciFunction]:

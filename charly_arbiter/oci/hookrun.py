@@ -112,7 +112,12 @@ class HookRun(HookSession):
             if token is not None:
                 names.append(token)
         for name in self.facts.cdi_devices:
-            names += [t.name for t in self.config.tokens if name in t.cdi_devices]
+            whole = mig_gpu_name(name)
+            names += [
+                t.name
+                for t in self.config.tokens
+                if name in t.cdi_devices or whole in t.cdi_devices
+            ]
         if unknown:
             nodes = ", ".join(str(device) for device in unknown)
             away = [
@@ -135,3 +140,20 @@ class HookRun(HookSession):
         if not self.nested():
             forget_record(self.config.state_dir, self.facts.id)
         return self.stopped(reason="stopped")
+
+
+def mig_gpu_name(name: str) -> str:
+    """The whole GPU's CDI name for a MIG device's, as NVIDIA's CDI spec generator names
+    them (nvidia-container-toolkit's nvcdi namer): `KIND=I:J` is MIG device J of GPU
+    `KIND=I`, and `KIND=migI:J` of GPU `KIND=gpuI` ("type-index"); a container on a MIG
+    instance uses its GPU, shared, so the token that lists the GPU's name takes it
+    (`name` itself when it is no MIG device's)."""
+    kind, equals, device = name.partition("=")
+    gpu, colon, mig = device.partition(":")
+    if not equals or not colon or not mig.isdigit():
+        return name
+    if gpu.isdigit():
+        return f"{kind}={gpu}"
+    if gpu.startswith("mig") and gpu[3:].isdigit():
+        return f"{kind}=gpu{gpu[3:]}"
+    return name

@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 import pytest
 from clitools import READ_ONLY, ledger_locked, namespaced
-from simhosts import default_host
+from simhosts import PF, VF1, default_host, mig_host, sriov_pf, sriov_tokens
 
 from charly_arbiter.cli import COMMANDS
 from charly_arbiter.cli.app import build
@@ -33,8 +33,9 @@ from charly_arbiter.cli.exits import (
     rows,
 )
 from charly_arbiter.core.config import load_config
+from charly_arbiter.core.host import TokenSpec
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import Lease, LeaseState, Mode, Poison, ProcessRef
+from charly_arbiter.core.model import VFIO, Lease, LeaseState, Mode, Poison, ProcessRef
 from charly_arbiter.hooksession import DETACHED as STARTED_BY_HOOKS
 from charly_arbiter.hooksession import Handoff
 from charly_arbiter.host.procscan import process_ref
@@ -95,6 +96,7 @@ CASES = [
     C("acquire", 2, ("acquire", "--shared", "process:12a", "gpu0"), says="process:PID"),
     C("acquire", 2, ("acquire", "--shared", "libvirt:a/b", "gpu0"), says="'/'"),
     C("acquire", 2, ("acquire", "--shared", "vm:x", "gpu0"), says="the kind is one of"),
+    C("acquire", 2, ("acquire", "--shared", "arbiter:vfs/gpu0", "gpu0"), says="kind is one of"),
     C("acquire", 3, ("acquire", "--exclusive", "libvirt:other", "gpu0"), "held", "exclusively"),
     C("acquire", 3, ("acquire", "--shared", "container:c", "gpu0"), "poisoned", "poisoned"),
     C("acquire", 3, ("acquire", "--exclusive", "libvirt:w", "gpu1"), says="not preemptible"),
@@ -173,6 +175,23 @@ CASES = [
     C("send-home", 1, ("send-home", "gpu0"), "unaccounted_failing", "did not go all the way"),
     C("send-home", 2, ("send-home", "gpu9"), says="gpu0, gpu1"),
     C("send-home", 3, ("send-home", "gpu1"), says="not on vfio-pci"),
+    C("mig", 0, ("mig", "gpu0"), "mig", "gpu0: MIG off"),
+    C("mig", 0, ("mig", "gpu0", "on"), "mig", "stopped and brought back container:llm"),
+    C("mig", 1, ("mig", "gpu0", "on"), "mig_failing", "MIG on failed"),
+    C("mig", 2, ("mig", "gpu0", "layout"), "mig", "say layout PROFILE"),
+    C("mig", 2, ("mig", "gpu0", "layout", "1g.10gb"), "mig", "MIG mode is off"),
+    C("mig", 2, ("mig", "gpu9"), "mig", "gpu0, gpu1"),
+    C("mig", 2, ("mig", "gpu1"), "mig", "has no MIG mode"),
+    C("mig", 3, ("mig", "gpu0", "on"), "mig_held", "held exclusively by libvirt:win11"),
+    C("acquire", 2, ("acquire", "--shared", "container:c", "gpu0:0"), "mig", "MIG is off"),
+    C("vfs", 0, ("vfs", "pf", "1"), "sriov", "pf: 2 -> 1 VFs"),
+    C("vfs", 0, ("vfs", "--configured"), "sriov", "pf has 2 VFs already"),
+    C("vfs", 1, ("vfs", "pf", "0"), "sriov_hung", "pf is poisoned now"),
+    C("vfs", 2, ("vfs",), says="TOKEN COUNT, or --configured"),
+    C("vfs", 2, ("vfs", "gpu0", "1"), says="not an SR-IOV physical function"),
+    C("vfs", 2, ("vfs", "pf", "3"), "sriov", "at most 2 VFs"),
+    C("vfs", 2, ("vfs", "gpu9", "1"), says="gpu0, gpu1"),
+    C("vfs", 3, ("vfs", "pf", "0"), "sriov_leased", "leased by libvirt:vm"),
     C("recover", 0, ("recover",), says="nothing to recover"),
     C("recover", 0, ("recover",), "corrupt", "nothing was written"),
     C("recover", 1, ("recover",), "world_writable", "writable"),
@@ -397,6 +416,37 @@ def _bundle(sim: SimEnv) -> None:
     (bundle / "config.json").write_text('{"ociVersion": "1.0.2"}')
 
 
+def _sriov(sim: SimEnv, fault: str = "") -> None:
+    """An SR-IOV physical function (a token, configured for 2 VFs) with its 2 VFs, the
+    first a token of its own."""
+    sim.set_host(default_host() + sriov_pf(extra=fault))
+    sim.config_path.write_text(sim.config_path.read_text() + sriov_tokens(2))
+    sim.host().write_sysfs(PF, "sriov_numvfs", "2")
+
+
+def _sriov_leased(sim: SimEnv) -> None:
+    _sriov(sim)
+    sim.arbiter().acquire("libvirt:vm", Mode.EXCLUSIVE, ["vf0"])
+
+
+def _sriov_hung(sim: SimEnv) -> None:
+    """The second VF on vfio-pci, bound by hand (no token, no lease), and a teardown
+    that blocks on it as the kernel's does while a VM holds its VFIO device."""
+    _sriov(sim, "hang_sriov_teardown = true\n")
+    host = sim.host()
+    host.switch(TokenSpec(VF1, VF1, tuple(host.token_functions(VF1, VF1))), {VF1: VFIO})
+
+
+def _mig(sim: SimEnv, fault: str = "") -> None:
+    """gpu0 MIG-capable (NVML's side of the simulated host)."""
+    sim.set_host(mig_host(gpu0=fault))
+
+
+def _mig_held(sim: SimEnv) -> None:
+    _mig(sim)
+    _hold(sim)
+
+
 SCENARIOS: dict[str, Callable[[SimEnv], Iterator[None] | None]] = {
     "fresh": lambda sim: None,
     "poisoned": _poison,
@@ -422,6 +472,12 @@ SCENARIOS: dict[str, Callable[[SimEnv], Iterator[None] | None]] = {
     "attached_unsafe": _attached_unsafe,
     "gpu7_in_history": _gpu7_in_history,
     "bundle": _bundle,
+    "mig": _mig,
+    "mig_failing": lambda sim: _mig(sim, "fail_mig = true"),
+    "mig_held": _mig_held,
+    "sriov": _sriov,
+    "sriov_leased": _sriov_leased,
+    "sriov_hung": _sriov_hung,
 }
 
 

@@ -17,10 +17,13 @@ import pytest
 from coretools import ALL_PREEMPTIBLE, HOME, TOKEN_FUNCTIONS
 from interleave import Outcome, World, errors_of, explore
 from invariants import assert_converged, assert_invariants, sim_facts
-from simhosts import holder
+from simhosts import PF, VF0, VF1, holder, mig_host, sriov_pf, sriov_tokens, vgpu_pf
 
+from charly_arbiter.core.host import MigChange
+from charly_arbiter.core.migop import change_mig
 from charly_arbiter.core.model import VFIO, LeaseState, Mode
-from charly_arbiter.errors import ClaimRefused, LeaseInProgress
+from charly_arbiter.core.vfcount import set_vf_count
+from charly_arbiter.errors import ClaimRefused, LeaseInProgress, MigInvalid, VfCountRefused
 
 CONFIG = """
 host = "sim:{root}/host"
@@ -39,7 +42,8 @@ address = "0000:0a:00.0"
 address = "0000:0b:00.0"
 """
 CLAIMANTS = ("libvirt:a", "libvirt:b", "container:s", "container:t")
-EXPECTED_FAILURES = (ClaimRefused, LeaseInProgress)
+# (MigInvalid: a MIG instance a layout change has just removed)
+EXPECTED_FAILURES = (ClaimRefused, LeaseInProgress, MigInvalid)
 
 
 def start_with(
@@ -422,3 +426,274 @@ def test_the_release_does_not_give_a_lease_back_beside_an_exclusive_one(monkeypa
     monkeypatch.setattr(planner, "_take_over_pending_restarts", lambda *args: [])
     test_release_that_reinstates_a_shared_claimant_against_a_new_exclusive_claim()
     assert "gets no shared lease back: gpu0 held exclusively meanwhile" in caplog.text
+
+
+# -- SR-IOV: a physical function, its virtual functions and their count ------------------
+
+SRIOV_HOST = ALL_PREEMPTIBLE + "\n" + sriov_pf()
+SRIOV_HOME = {**HOME, PF: "xe", VF0: "xe", VF1: "xe"}
+SRIOV_PARENTS = {"vf0": "pf"}
+SRIOV_CLAIMANTS = ("libvirt:vm", "libvirt:whole", "container:vf")
+
+
+def start_sriov(world: World, vfs: int = 2, *steps: tuple[str, str, Mode, tuple[str, ...]]):
+    """The PF (a token, configured for 2 VFs) with `vfs` VFs made, vf0 a token too."""
+    world.root.chmod(0o700)
+    (world.sim_dir / "host.toml").write_text(SRIOV_HOST)
+    world.config_path.write_text(CONFIG.format(root=world.root) + sriov_tokens(2))
+    if vfs:
+        world.host().write_sysfs(PF, "sriov_numvfs", str(vfs))
+    for _, claimant, mode, tokens in steps:
+        world.arbiter(1).acquire(claimant, mode, list(tokens))
+
+
+def sriov_functions(world: World) -> dict[str, tuple[str, ...]]:
+    """The tokens' functions as the host has them now (vf0 only while it exists)."""
+    drivers = world.host().snapshot()["drivers"]
+    found = {**TOKEN_FUNCTIONS, "pf": (PF,)}
+    if VF0 in drivers:
+        found["vf0"] = (VF0,)
+    return found
+
+
+def sriov_facts(world: World):
+    return sim_facts(
+        world.host().snapshot(), sriov_functions(world), holder_refs(world), SRIOV_PARENTS
+    )
+
+
+def sriov_check(world: World, where: str) -> None:
+    state = world.ledger().read()
+    assert_invariants(state, sriov_facts(world), where)
+    # The PF never leaves its driver while a VF exists (vfio-pci would not take it, and
+    # a switch that tried would be refused, poisoned); nor does it go while one is leased.
+    drivers = world.host().snapshot()["drivers"]
+    if VF0 in drivers or VF1 in drivers:
+        assert drivers[PF] == "xe", f"{where}: the PF is on {drivers[PF]} with its VFs there"
+
+
+def sriov_converge(outcome: Outcome) -> None:
+    world = outcome.world
+    host = world.host()
+    for _ in range(4):
+        for claimant in SRIOV_CLAIMANTS:
+            host.set_running(claimant, False)
+        world.arbiter(1).restore()
+        if not world.ledger().read().leases:
+            break
+    state = world.ledger().read()
+    assert_converged(state, sriov_facts(world), SRIOV_HOME, holder_refs(world))
+
+
+def count_to(count: int):
+    def operation(world: World, pid: int) -> None:
+        set_vf_count(world.arbiter(pid), "pf", count)
+
+    return operation
+
+
+def run_sriov(scenario, operations, *, preemptions=2, crash=False, floor=1, finish=None):
+    def finished(outcome: Outcome) -> None:
+        unexpected = errors_of(outcome, ClaimRefused, LeaseInProgress, VfCountRefused)
+        assert not unexpected, (unexpected, outcome.choices)
+        if finish is not None:
+            finish(outcome)
+        sriov_converge(outcome)
+
+    stats = explore(
+        scenario, operations, sriov_check, finished, preemptions=preemptions, crash=crash
+    )
+    print(
+        f"\n{len(operations)} operations: {stats.schedules} schedules, {stats.steps} steps, "
+        f"{stats.crashes} kill -9s checked"
+    )
+    assert stats.schedules >= floor, stats
+    return stats
+
+
+def test_a_vf_claim_a_pf_claim_and_a_count_change_to_zero():
+    """A VM claims vf0, another the whole PF, and the count goes to 0, in every order.
+    At most one of the VM on the VF and the VM on the whole PF ever holds its token;
+    the PF is only passed through once the count change has removed the VFs, and the
+    count never changes under the VF's lease."""
+
+    def finish(outcome: Outcome) -> None:
+        vm, whole, count = (outcome_of(outcome, name) for name in ("vm", "whole", "count"))
+        assert not (vm == "ok" and whole == "ok"), outcome.choices
+        assert not (vm == "ok" and count == "ok") or vfs_after(outcome) == 0
+        if whole == "ok":
+            assert count == "ok", outcome.choices
+
+    run_sriov(
+        lambda w: start_sriov(w),
+        [
+            ("vm", acquire("libvirt:vm", Mode.EXCLUSIVE, "vf0")),
+            ("whole", acquire("libvirt:whole", Mode.EXCLUSIVE, "pf")),
+            ("count", count_to(0)),
+        ],
+        preemptions=1,
+        floor=30,
+        finish=finish,
+    )
+
+
+def vfs_after(outcome: Outcome) -> int:
+    return len(outcome.world.host().snapshot()["vfs"])
+
+
+def test_kill_9_anywhere_in_a_count_change_racing_a_vf_claim_and_its_release():
+    """vf0 is shared by a container; a VM takes it exclusively (preempting it) while the
+    count goes 2 -> 1, and the container's release runs: kill -9 anywhere, the count's
+    lease is stranded and `restore` ends it; I1 (with its PF↔VF clause) at every step."""
+    run_sriov(
+        lambda w: start_sriov(w, 2, ("acquire", "container:vf", Mode.SHARED, ("vf0",))),
+        [
+            ("vm", acquire("libvirt:vm", Mode.EXCLUSIVE, "vf0")),
+            ("count", count_to(1)),
+            ("vf-release", release("container:vf")),
+        ],
+        preemptions=1,
+        crash=True,
+        floor=50,
+    )
+
+
+def test_a_pf_claim_waits_for_a_release_giving_a_vf_lease_back():
+    """container:vf, preempted on vf0 by libvirt:vm, comes back when the VM's release
+    ends: meanwhile the count goes to 0 and libvirt:whole claims the PF.  The sharer
+    never gets its VF lease back under the PF's exclusive owner (I1), whatever the
+    order."""
+    run_sriov(
+        lambda w: start_sriov(
+            w,
+            2,
+            ("acquire", "container:vf", Mode.SHARED, ("vf0",)),
+            ("acquire", "libvirt:vm", Mode.EXCLUSIVE, ("vf0",)),
+        ),
+        [
+            ("vm-release", release("libvirt:vm")),
+            ("count", count_to(0)),
+            ("whole", acquire("libvirt:whole", Mode.EXCLUSIVE, "pf")),
+        ],
+        preemptions=1,
+        floor=30,
+    )
+
+
+def test_the_explorer_finds_a_pf_taken_from_under_its_vf(monkeypatch):
+    """The harness can fail here too: with the planner's PF↔VF rules planted away, some
+    schedule holds the PF exclusively beside the VF's lease, and I1 says so."""
+    from charly_arbiter.core import planner
+
+    monkeypatch.setattr(planner, "refuse_by_relation", lambda *args, **kwargs: None)
+    with pytest.raises(AssertionError, match=r"I1: pf is held exclusively by libvirt:whole"):
+        test_a_vf_claim_a_pf_claim_and_a_count_change_to_zero()
+
+
+# -- NVIDIA vGPU on VFs: a claim whose one step is the VF's type ---------------------------
+
+VGPU_TOKENS = (
+    sriov_tokens(2, vf_tokens=("vf0", "vf1"))
+    .replace(f'address = "{VF0}"', f'address = "{VF0}"\nvgpu_type = "NVIDIA L40S-2Q"')
+    .replace(f'address = "{VF1}"', f'address = "{VF1}"\nvgpu_type = 558')
+)
+
+
+def start_vgpu(world: World) -> None:
+    world.root.chmod(0o700)
+    (world.sim_dir / "host.toml").write_text(ALL_PREEMPTIBLE + "\n" + vgpu_pf())
+    world.config_path.write_text(CONFIG.format(root=world.root) + VGPU_TOKENS)
+    world.host().write_sysfs(PF, "sriov_numvfs", "2")
+
+
+def vgpu_check(world: World, where: str) -> None:
+    state = world.ledger().read()
+    functions = {**TOKEN_FUNCTIONS, "pf": (PF,), "vf0": (VF0,), "vf1": (VF1,)}
+    facts = sim_facts(
+        world.host().snapshot(), functions, holder_refs(world), {"vf0": "pf", "vf1": "pf"}
+    )
+    assert_invariants(state, facts, where)
+
+
+def test_kill_9_anywhere_in_two_vgpu_claims_and_a_release():
+    """Two VMs take the two vGPU VFs (the same type, as one GPU runs one at a time) while
+    the first one's release runs; kill -9 anywhere: a type is set only while an
+    exclusive lease holds its VF (I2's vGPU clause), and `restore` clears what a crash
+    left."""
+
+    def finish(outcome: Outcome) -> None:
+        world = outcome.world
+        host = world.host()
+        for _ in range(3):
+            for claimant in ("libvirt:a", "libvirt:b"):
+                host.set_running(claimant, False)
+            world.arbiter(1).restore()
+        state = world.ledger().read()
+        assert state.leases == (), state.leases
+        vfs = host.snapshot()["vfs"]
+        for vf in (VF0, VF1):
+            poisoned = state.poison_of("vf0" if vf == VF0 else "vf1") is not None
+            assert poisoned or vfs[vf].get("vgpu", 0) == 0, (vf, vfs, outcome.choices)
+        vgpu_check(world, "converged")
+
+    def scenario(world: World) -> None:
+        start_vgpu(world)
+        world.arbiter(1).acquire("libvirt:a", Mode.EXCLUSIVE, ["vf0"])
+
+    stats = explore(
+        scenario,
+        [
+            ("a-release", release("libvirt:a")),
+            ("b", acquire("libvirt:b", Mode.EXCLUSIVE, "vf1")),
+        ],
+        vgpu_check,
+        lambda outcome: (no_unexpected_errors(outcome), finish(outcome)),
+        preemptions=1,
+        crash=True,
+    )
+    print(f"\nvGPU: {stats.schedules} schedules, {stats.crashes} kill -9s checked")
+    assert stats.schedules >= 20, stats
+
+
+# -- MIG: a change of the GPU's layout, the arbiter's own exclusive claim in place ---------
+
+
+def start_mig(world: World) -> None:
+    """gpu0 MIG-capable, on, in two instances; container:s uses instance 0 (shared)."""
+    start_with(world, host=mig_host(dm_preemptible=True))
+    arbiter = world.arbiter(1)
+    change_mig(arbiter, "gpu0", MigChange(enabled=True))
+    change_mig(arbiter, "gpu0", MigChange(layout=("3g.40gb", "3g.40gb")))
+    arbiter.acquire("container:s", Mode.SHARED, ["gpu0:0"])
+
+
+def mig_to(*profiles: str):
+    def operation(world: World, pid: int) -> None:
+        change_mig(world.arbiter(pid), "gpu0", MigChange(layout=profiles))
+
+    return operation
+
+
+def test_kill_9_anywhere_in_a_mig_change_racing_a_vms_claim():
+    """A new layout (which stops everything on the GPU, container:s on instance 0
+    among them, and brings it back) against a VM's exclusive claim on the GPU, in every
+    order with kill -9 anywhere: I1-I3 at every step, `restore` converges (I5)."""
+    run(
+        start_mig,
+        [("mig", mig_to("7g.80gb")), ("a", acquire("libvirt:a", Mode.EXCLUSIVE, "gpu0"))],
+        preemptions=1,
+        crash=True,
+        floor=50,
+    )
+
+
+def test_a_mig_change_racing_a_container_on_an_instance_it_removes():
+    """A container claims instance 1 while a new layout removes it: it gets it before
+    the change (and is stopped and brought back by it) or is refused after; never a
+    lease on an instance that is gone beside the change's own lease."""
+    run(
+        start_mig,
+        [("mig", mig_to("7g.80gb")), ("t", acquire("container:t", Mode.SHARED, "gpu0:1"))],
+        preemptions=1,
+        floor=15,
+    )

@@ -27,11 +27,13 @@ HOLDER_VALUES = [
     "nvidia-persistence",
     "proxmox",
     "lxc",
+    "arbiter",
 ]
 EVENT_VALUES = [
     "claim", "refused", "stopping", "preempted", "switching", "switched", "active",
     "poisoned", "release", "failed", "restore", "starting", "restored", "restore-failed",
     "poison-cleared", "mismatch", "adopted", "send-home", "recovered",
+    "mig", "mig-done", "vf-count", "vf-counted",
 ]  # fmt: skip
 
 
@@ -45,7 +47,10 @@ def test_the_values_are_the_ones_every_reader_knows() -> None:
 
 def test_every_kind_has_its_name_rules_and_claimants_are_all_but_the_host_s_own() -> None:
     assert set(KINDS) == set(HolderKind)
-    assert set(CLAIMANT_KINDS) == set(HolderKind) - {HolderKind.NVIDIA_PERSISTENCE}
+    assert set(CLAIMANT_KINDS) == set(HolderKind) - {
+        HolderKind.NVIDIA_PERSISTENCE,
+        HolderKind.ARBITER,
+    }
     assert set(LISTED_KINDS) <= set(CLAIMANT_KINDS)
     ref = Claimant.parse("libvirt:win11")
     assert (

@@ -8,9 +8,18 @@ from dataclasses import replace
 
 import pytest
 
-from charly_arbiter.core.host import NO_DRIVER, Holder, PciFunction, TokenSpec
+from charly_arbiter.core.host import (
+    NO_DRIVER,
+    DeviceUser,
+    Holder,
+    PciFunction,
+    Sriov,
+    TokenSpec,
+    Vgpu,
+)
 from charly_arbiter.core.model import (
     VFIO,
+    Claimant,
     Lease,
     LeaseState,
     LedgerState,
@@ -18,9 +27,11 @@ from charly_arbiter.core.model import (
     Poison,
     StepState,
     StoppedHolder,
+    blocks_token,
     human_time,
+    operation_claimant,
 )
-from charly_arbiter.core.planner import Policy, blocks_token, decide_claim, home_map, unaccounted
+from charly_arbiter.core.planner import Policy, Switch, decide_claim, home_map, unaccounted
 from charly_arbiter.errors import ClaimRefused, TokenPoisoned, TokenUnaccounted
 
 GPU0 = "0000:0a:00.0"
@@ -453,3 +464,325 @@ def test_every_state_pair_obeys_the_rules(existing, holders, drivers, home, mode
         }
         assert stopped == {h.ref for h in running if h.passthrough}
         assert plan.cdi_tokens == ("gpu0",)
+
+
+# -- SR-IOV: a physical function and its virtual functions (core/vfs.py) ------------------
+
+PF = "0000:01:00.0"
+VF0 = "0000:01:00.1"
+FAMILY_COVERAGE = {"pf": (PF,), "vf0": (VF0,)}
+PARENTS = {"vf0": "pf"}
+
+
+def pf_token(vfs: tuple[str, ...] = (VF0,)) -> TokenSpec:
+    sriov = Sriov(total_vfs=2, vfs=vfs)
+    return TokenSpec("pf", PF, (PciFunction(PF, "8086", "56c0", "030000", "xe", "4", sriov=sriov),))
+
+
+def vf_token(driver: str | None = "xe", *, present: bool = True) -> TokenSpec:
+    function = PciFunction(VF0, "8086", "56c1", "030000", driver, "5", physfn=PF)
+    return TokenSpec("vf0", VF0, (function,) if present else (), vf_of=PF)
+
+
+def vm_with_the_vf(pid: int = 4242) -> DeviceUser:
+    return DeviceUser(pid, "qemu-system-x86", "/dev/vfio/5", VF0, Claimant.parse("libvirt:vm"))
+
+
+def claim(state, claimant, mode, spec, **extra):
+    return decide_claim(
+        state, claimant, mode, [spec], [], NONE, coverage=FAMILY_COVERAGE, parents=PARENTS, **extra
+    )
+
+
+def test_a_vf_lease_is_a_shared_use_of_its_pf_which_an_exclusive_claim_may_not_take():
+    """libvirt:vm has vf0 passed through: the PF stays on its driver for it.  An
+    exclusive claim on the PF is refused naming the lease; a shared one goes on beside
+    it (sharing is use on the home driver, which is what the VF needs of its PF)."""
+    state = EMPTY.with_lease(lease("libvirt:vm", Mode.EXCLUSIVE, "vf0"))
+    with pytest.raises(ClaimRefused) as refused:
+        claim(state, "libvirt:whole", Mode.EXCLUSIVE, pf_token())
+    assert f"{VF0} (token vf0) is leased by libvirt:vm (exclusive)" in str(refused.value)
+    assert "virtual functions are in use" in str(refused.value) and not refused.value.retry
+    plan = claim(state, "container:ai", Mode.SHARED, pf_token())
+    assert plan.tokens == ("pf",) and plan.stops == () and plan.switches == ()
+
+
+def test_an_exclusive_claim_on_the_pf_names_who_has_a_vf_open_and_then_the_vfs_that_exist():
+    with pytest.raises(ClaimRefused) as refused:
+        claim(EMPTY, "libvirt:whole", Mode.EXCLUSIVE, pf_token(), vf_users=[vm_with_the_vf()])
+    assert f"{VF0} is open: pid 4242 (qemu-system-x86) of libvirt:vm has /dev/vfio/5 open" in str(
+        refused.value
+    )
+    # Nobody uses them, but they exist: vfio-pci would not take the PF.
+    with pytest.raises(ClaimRefused) as refused:
+        claim(EMPTY, "libvirt:whole", Mode.EXCLUSIVE, pf_token())
+    assert f"SR-IOV enabled (1 virtual function(s)): {VF0}" in str(refused.value)
+    assert refused.value.hint == "remove them first: `charly-arbiter vfs pf 0`"
+    # Without VFs the PF is passed through like any GPU.
+    plan = claim(EMPTY, "libvirt:whole", Mode.EXCLUSIVE, pf_token(vfs=()))
+    assert {(s.address, s.to_driver) for s in plan.switches} == {(PF, VFIO)}
+
+
+def test_a_claim_on_a_vf_is_refused_while_its_pf_is_held_exclusively_poisoned_or_the_vf_absent():
+    held = EMPTY.with_lease(lease("libvirt:whole", Mode.EXCLUSIVE, "pf"))
+    for mode in Mode:
+        with pytest.raises(
+            ClaimRefused,
+            match=f"its physical function {PF} \\(token pf\\) is held exclusively by libvirt:whole",
+        ):
+            claim(held, "libvirt:vm", mode, vf_token())
+    poisoned = EMPTY.with_poison("pf", Poison("unbind hung", "2026-01-01T00:00:00+00:00"))
+    with pytest.raises(ClaimRefused) as refused:
+        claim(poisoned, "libvirt:vm", Mode.EXCLUSIVE, vf_token())
+    assert "(token pf) is poisoned since" in str(refused.value) and "unbind hung" in str(
+        refused.value
+    )
+    assert refused.value.hint.endswith("`charly-arbiter poison clear pf`")
+    with pytest.raises(ClaimRefused) as refused:
+        claim(EMPTY, "libvirt:vm", Mode.EXCLUSIVE, vf_token(present=False))
+    assert f"a virtual function of {PF} that does not exist now" in str(refused.value)
+    assert refused.value.hint == "raise the VF count of pf: `charly-arbiter vfs pf N`"
+    # A shared lease on the PF is a use on its home driver: the VF is claimed beside it.
+    shared = EMPTY.with_lease(lease("container:ai", Mode.SHARED, "pf"))
+    plan = claim(shared, "libvirt:vm", Mode.EXCLUSIVE, vf_token())
+    assert plan.switches == (Switch("vf0", VF0, "xe", VFIO),) and plan.preempted_leases == ()
+
+
+PF_LEASES = {
+    "none": (),
+    "shared": (lease("container:ai", Mode.SHARED, "pf"),),
+    "exclusive": (lease("libvirt:whole", Mode.EXCLUSIVE, "pf"),),
+    "exclusive-acquiring": (
+        lease("libvirt:whole", Mode.EXCLUSIVE, "pf", state=LeaseState.ACQUIRING),
+    ),
+    "poisoned": (),
+}
+VF_LEASES = {
+    "none": (),
+    "exclusive": (lease("libvirt:vm", Mode.EXCLUSIVE, "vf0"),),
+    "shared": (lease("container:vf", Mode.SHARED, "vf0"),),
+    "exclusive-releasing": (
+        lease("libvirt:vm", Mode.EXCLUSIVE, "vf0", state=LeaseState.RELEASING).with_switch(
+            "vf0", StepState.PLANNED
+        ),
+    ),
+    "exclusive-gone-home": (
+        lease("libvirt:vm", Mode.EXCLUSIVE, "vf0", state=LeaseState.RELEASING).with_switch(
+            "vf0", StepState.DONE
+        ),
+    ),
+    # The VF went home, and the release is about to give container:vf (which it had
+    # preempted) its shared lease on the VF back.
+    "gone-home-giving-back": (
+        lease(
+            "libvirt:vm",
+            Mode.EXCLUSIVE,
+            "vf0",
+            state=LeaseState.RELEASING,
+            stopped=[StoppedHolder("container:vf", StepState.DONE, ("vf0",), tokens=("vf0",))],
+        ).with_switch("vf0", StepState.DONE),
+    ),
+}
+VF_STATES = ("present", "open", "absent")
+FAMILY_CLAIMS = [(name, mode) for name in ("pf", "vf0") for mode in Mode]
+
+
+@pytest.mark.parametrize("pf_lease", sorted(PF_LEASES))
+@pytest.mark.parametrize("vf_lease", sorted(VF_LEASES))
+@pytest.mark.parametrize("vf_state", VF_STATES)
+@pytest.mark.parametrize("claimed", FAMILY_CLAIMS, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_every_pf_and_vf_state_obeys_the_relation(pf_lease, vf_lease, vf_state, claimed):
+    """Exhaustive over (the PF's lease or poison, the VF's lease, whether the VF exists
+    and is open, which of the two is claimed and how).  The rules, written out here:
+    a VF's lease is a shared use of its PF, the PF is never taken exclusively from under
+    a VF in use nor while VFs exist, and a VF is never claimed from under its PF's
+    exclusive owner, its poison, or while it does not exist."""
+    name, mode = claimed
+    state = EMPTY
+    for item in PF_LEASES[pf_lease] + VF_LEASES[vf_lease]:
+        state = state.with_lease(item)
+    if pf_lease == "poisoned":
+        state = state.with_poison("pf", Poison("hung", "2026-01-01T00:00:00+00:00"))
+    present = vf_state != "absent"
+    vf_blocking = [item for item in state.leases if blocks_token(item, "vf0")]
+    vf_exclusive = [
+        item for item in state.leases if item.mode is Mode.EXCLUSIVE and "vf0" in item.tokens
+    ]
+    # On vfio-pci while an exclusive lease holds it; home again once its release sent it.
+    vf_driver = VFIO if present and any(item in vf_blocking for item in vf_exclusive) else "xe"
+    users = [vm_with_the_vf()] if vf_state == "open" else []
+    pf_spec = pf_token(vfs=(VF0,) if present else ())
+    spec = pf_spec if name == "pf" else vf_token(vf_driver, present=present)
+    pf_blocking = [item for item in state.leases if blocks_token(item, "pf")]
+
+    reasons = set()
+    if name == "pf":
+        if pf_lease == "poisoned":
+            reasons.add("poisoned")
+        if any(item.mode is Mode.EXCLUSIVE for item in pf_blocking):
+            reasons.add("held exclusively")
+        giving_back = [
+            r for item in state.leases for r in item.unrestored() if "vf0" in r.shared_tokens
+        ]
+        if mode is Mode.EXCLUSIVE:
+            if vf_blocking or users or giving_back:
+                reasons.add("its VFs are in use")
+            if present:
+                reasons.add("VFs exist")
+    else:
+        if not present:
+            reasons.add("absent")
+        if pf_lease == "poisoned":
+            reasons.add("its PF is poisoned")
+        if any(item.mode is Mode.EXCLUSIVE for item in pf_blocking):
+            reasons.add("its PF is held exclusively")
+        if any(item.mode is Mode.EXCLUSIVE for item in vf_blocking):
+            reasons.add("held exclusively")
+        if mode is Mode.EXCLUSIVE and any(
+            item.state is not LeaseState.ACTIVE for item in vf_blocking
+        ):
+            reasons.add("in progress")
+        if present and vf_driver == VFIO and not vf_exclusive:
+            reasons.add("unaccounted")
+    try:
+        plan = claim(state, "libvirt:me", mode, spec, vf_users=users if name == "pf" else [])
+    except ClaimRefused as refused:
+        assert refused.exit_code == 3, refused
+        assert reasons, (pf_lease, vf_lease, vf_state, claimed, refused)
+        if reasons == {"its VFs are in use"}:
+            for item in vf_blocking:
+                assert f"is leased by {item.claimant}" in str(refused)
+            for user in users:
+                assert f"pid {user.pid}" in str(refused)
+        return
+    assert not reasons, (pf_lease, vf_lease, vf_state, claimed, reasons)
+    if name == "pf" and mode is Mode.EXCLUSIVE:
+        assert {s.address for s in plan.switches} == {PF}
+    if name == "vf0" and mode is Mode.EXCLUSIVE:
+        # The VF goes to vfio-pci; its PF is never switched, and never stopped for it.
+        assert {s.address for s in plan.switches} <= {VF0}
+        assert all(s.address != PF for s in plan.switches)
+
+
+# -- NVIDIA vGPU on virtual functions (core/vgpu.py) --------------------------------------
+
+GVF = "0000:41:00.4"
+TYPES = ((557, "NVIDIA L40S-1Q"), (558, "NVIDIA L40S-2Q"))
+
+
+def vgpu_token(type_wanted, driver, files, current):
+    """The VF as the host reads it: on `driver`, with nvidia/'s vGPU files or not (listing
+    only 558 while another VF has it, everything else while none has), `current` its
+    type; the token's configured `vgpu_type`."""
+    creatable = () if current else TYPES
+    vgpu = Vgpu(creatable, current) if files else None
+    function = PciFunction(GVF, "10de", "26b9", "030200", driver, "31", physfn=PF, vgpu=vgpu)
+    return TokenSpec("gvf", GVF, (function,), vgpu_type=type_wanted)
+
+
+VGPU_LEASES = {
+    "none": (),
+    "exclusive": (lease("libvirt:vm", Mode.EXCLUSIVE, "gvf"),),
+    "shared": (lease("container:s", Mode.SHARED, "gvf"),),
+}
+
+
+@pytest.mark.parametrize("type_wanted", [None, "558", "NVIDIA L40S-1Q", "999"])
+@pytest.mark.parametrize("driver", ["nvidia", None])
+@pytest.mark.parametrize("files", [True, False])
+@pytest.mark.parametrize("current", [0, 558])
+@pytest.mark.parametrize("existing", sorted(VGPU_LEASES))
+@pytest.mark.parametrize("mode", list(Mode))
+def test_every_vgpu_state_obeys_the_rules(type_wanted, driver, files, current, existing, mode):
+    """Exhaustive over (the configured type, the VF's driver, whether it has nvidia/'s
+    vGPU files, its current type, a lease on it, the mode).  A vGPU VF is only claimed
+    exclusively, with a type it lists as creatable now, while on nvidia; the claim
+    switches no driver, its one step is the type; a type set with no exclusive lease
+    to account for it is the host contradicting the ledger."""
+    if current and not files:
+        return  # a type needs the files
+    state = EMPTY
+    for item in VGPU_LEASES[existing]:
+        state = state.with_lease(item)
+    spec = vgpu_token(type_wanted, driver, files, current)
+    vgpu_vf = files or type_wanted is not None
+    creatable = {str(i) for i, _ in TYPES} | {n.lower() for _, n in TYPES} if not current else set()
+    reasons = set()
+    exclusive_lease = existing == "exclusive"
+    if current and not exclusive_lease:
+        reasons.add("unaccounted")
+    if exclusive_lease:
+        reasons.add("held exclusively")
+    if vgpu_vf and mode is Mode.SHARED:
+        reasons.add("shared")
+    if vgpu_vf and mode is Mode.EXCLUSIVE:
+        if type_wanted is None:
+            reasons.add("no type")
+        elif not files or driver != "nvidia":
+            reasons.add("not a vGPU VF")
+        elif type_wanted.lower() not in creatable:
+            reasons.add("not creatable")
+    if not vgpu_vf and mode is Mode.SHARED and driver is None and existing == "none":
+        reasons.add("no driver takes it")  # the first shared claim, as for any GPU
+    try:
+        plan = decide_claim(state, "libvirt:me", mode, [spec], [], NONE)
+    except ClaimRefused as refused:
+        assert reasons, (type_wanted, driver, files, current, existing, mode, refused)
+        return
+    assert not reasons, (type_wanted, driver, files, current, existing, mode, reasons)
+    if vgpu_vf:
+        # The VF never leaves nvidia: its claim's one step is the type.
+        wanted = {"558": 558, "nvidia l40s-1q": 557}[type_wanted.lower()]
+        assert [(s.address, s.to_driver) for s in plan.switches] == [(GVF, f"vgpu:{wanted}")]
+    elif mode is Mode.EXCLUSIVE and driver != VFIO:
+        assert [(s.address, s.to_driver) for s in plan.switches] == [(GVF, VFIO)]
+
+
+# -- an exclusive claim that leaves the GPU on its driver (the arbiter's MIG change) -----
+
+
+@pytest.mark.parametrize("existing", sorted(EXISTING))
+@pytest.mark.parametrize("holders", sorted(HOLDER_KINDS))
+@pytest.mark.parametrize("drivers", sorted(DRIVERS))
+@pytest.mark.parametrize("home", sorted(HOMES))
+def test_every_state_obeys_the_rules_of_a_claim_in_place(existing, holders, drivers, home):
+    """Exhaustive as above, for `in_place`: refused exactly when an exclusive claim is,
+    or when a function is on vfio-pci (it is done on the GPU's own driver); granted, it
+    stops every running holder and every shared claimant, as an exclusive claim does,
+    and switches nothing."""
+    state = EMPTY.with_home("gpu0", HOMES[home])
+    for item in EXISTING[existing]:
+        state = state.with_lease(item)
+    spec = token(drivers=DRIVERS[drivers])
+    running = [h for h in HOLDER_KINDS[holders] if h.running]
+    blocking = [item for item in state.leases if blocks_token(item, "gpu0")]
+    on_vfio = any(f.driver == VFIO for f in spec.functions)
+    reasons = set()
+    if any(
+        set(COVERAGE[name]) & {GPU0, AUDIO0}
+        for item in state.leases
+        for name in item.tokens
+        if name != "gpu0" and blocks_token(item, name)
+    ):
+        reasons.add("overlap")
+    if any(item.mode is Mode.EXCLUSIVE for item in blocking):
+        reasons.add("held exclusively")
+    if any(not h.preemptible for h in running):
+        reasons.add("not preemptible")
+    if any(item.state is not LeaseState.ACTIVE for item in blocking):
+        reasons.add("in progress")
+    if on_vfio:
+        reasons.add("on vfio-pci")  # unaccounted, held, or bound there: not its driver
+    ours = operation_claimant("mig", "gpu0")
+    try:
+        plan = decide_claim(
+            state, ours, Mode.EXCLUSIVE, [spec], HOLDER_KINDS[holders], NONE,
+            coverage=COVERAGE, in_place=True,
+        )  # fmt: skip
+    except ClaimRefused as refused:
+        assert refused.exit_code == 3 and reasons, (existing, holders, drivers, home, refused)
+        return
+    assert not reasons, (existing, holders, drivers, home, reasons)
+    assert plan.switches == ()
+    assert {step.holder for step in plan.stops} >= {h.ref for h in running}
+    assert set(plan.preempted_leases) == {item.claimant for item in blocking}

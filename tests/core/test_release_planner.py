@@ -41,8 +41,8 @@ from charly_arbiter.core.model import (
     ProcessRef,
     StepState,
     StoppedHolder,
+    blocks_token,
 )
-from charly_arbiter.core.planner import blocks_token
 from charly_arbiter.core.release_planner import (
     Comeback,
     ComebackWay,
@@ -894,3 +894,146 @@ def test_the_release_does_what_its_plan_says(make_sim, dead_pid):
         assert {t for t, addrs in TOKEN_FUNCTIONS.items() if drivers[addrs[0]] == VFIO} == vfio
         for ref in HOLDERS:
             assert host.is_running(ON_SIM[ref]) is (ref in running), (where, ref)
+
+
+# -- SR-IOV: a VF's lease is a use of its PF (core/vfs.py) -------------------------------
+
+PF, VF0 = "0000:01:00.0", "0000:01:00.1"
+FAMILY_FUNCTIONS = {"pf": (PF,), "vf0": (VF0,)}
+FAMILY_PARENTS = {"vf0": "pf"}
+B = Claimant.parse("libvirt:b")  # claims the PF
+SV = Claimant.parse("container:sv")  # shares the VF, preempted by libvirt:a's claim on it
+
+
+def family_leases() -> Iterator[tuple[Lease, ...]]:
+    """libvirt:a holds the VF exclusively (active, or releasing before and after the VF
+    went home), having preempted container:sv's shared lease on it or not; libvirt:b
+    holds the PF (shared, or exclusively in every state an acquire and a release pass
+    through); container:sv shares the VF by itself."""
+    steps = ((), (("pf", PLANNED),), (("pf", DONE),))
+    a_shapes: list[Lease | None] = [None]
+    for state, switched in ((ACTIVE, ()), (RELEASING, steps[1]), (RELEASING, steps[2])):
+        switched = tuple(("vf0", step) for _, step in switched)
+        for step in (None, DONE, STARTING):
+            if step is STARTING and state is not RELEASING:
+                continue
+            records = () if step is None else (StoppedHolder(SV, step, ("vf0",), tokens=("vf0",)),)
+            a_shapes.append(
+                lease(A, EXCLUSIVE, ("vf0",), state, switched=switched, stopped=records)
+            )
+    b_shapes: list[Lease | None] = [None, lease(B, SHARED, ("pf",), ACTIVE)]
+    for state, switched in [(ACQUIRING, s) for s in steps] + [
+        (ACTIVE, ()),
+        (RELEASING, steps[1]),
+        (RELEASING, steps[2]),
+    ]:
+        b_shapes.append(lease(B, EXCLUSIVE, ("pf",), state, switched=switched))
+    sv_shapes: list[Lease | None] = [None, lease(SV, SHARED, ("vf0",), ACTIVE)]
+    for shapes_ in itertools.product(a_shapes, b_shapes, sv_shapes):
+        yield tuple(x for x in shapes_ if x is not None)
+
+
+def family_facts(vfio: frozenset[str], running: frozenset[Claimant], present: bool) -> HostFacts:
+    drivers = {PF: VFIO if "pf" in vfio else "xe"}
+    if present:
+        drivers[VF0] = VFIO if "vf0" in vfio else "xe"
+    return HostFacts(
+        drivers, FAMILY_FUNCTIONS, {SV: SV in running}, frozenset({SV}), FAMILY_PARENTS
+    )
+
+
+def family_specs(vfio: frozenset[str], present: bool) -> list[TokenSpec]:
+    pf = PciFunction(PF, "8086", "56c0", "030000", VFIO if "pf" in vfio else "xe", "4")
+    vf = PciFunction(VF0, "8086", "56c1", "030000", VFIO if "vf0" in vfio else "xe", "5", physfn=PF)
+    return [TokenSpec("pf", PF, (pf,)), TokenSpec("vf0", VF0, (vf,) if present else (), vf_of=PF)]
+
+
+def family_cases() -> Iterator[tuple[LedgerState, frozenset[str], frozenset[Claimant], bool]]:
+    """Each ledger with its host: the PF on vfio-pci only with no VF (vfio-pci does not
+    take it otherwise), and only the states where I1-I3 hold."""
+    for leases in family_leases():
+        state = LedgerState(leases=leases)
+        if not sane(state) or (
+            state.lease_of(SV) and any(r.holder == SV for x in leases for r in x.unrestored())
+        ):
+            continue
+        vfio = frozenset(t for t in FAMILY_FUNCTIONS if on_vfio(state, t))
+        stopped = {r.holder for x in leases for r in x.unrestored() if r.state is not PLANNED}
+        running = frozenset({SV} - stopped)
+        for present in (True, False):
+            if (present and "pf" in vfio) or (not present and "vf0" in vfio):
+                continue
+            if not violations(state, family_facts(vfio, running, present)):
+                yield state, vfio, running, present
+
+
+def family_release(
+    state: LedgerState,
+    vfio: frozenset[str],
+    running: frozenset[Claimant],
+    present: bool,
+    claimant: Claimant,
+    parents: dict[str, str] | None,
+) -> list[str]:
+    """Release `claimant` as core/releasing.py does, over the model host; every
+    violation of I1-I3 after each step."""
+    on, up = set(vfio), set(running)
+    found: list[str] = []
+
+    def check(label: str, now: LedgerState) -> LedgerState:
+        problems = violations(now, family_facts(frozenset(on), frozenset(up), present))
+        found.extend(f"after {label}: {p}" for p in problems)
+        return now
+
+    plan = decide_release(
+        state, claimant, family_specs(vfio, present), me=ME, boot_id=BOOT, parents=parents
+    )
+    assert plan is not None
+    now = check("intent", apply_intent(state, plan))
+    if plan.lease is None:
+        return found
+    for step in plan.homes:
+        if step.due and step.way is not HomeWay.UNKNOWN:
+            on.discard(step.token)
+            now = check(f"{step.token} home", apply_home(now, claimant, step.token))
+    attempted: set[Claimant] = set()
+    while (comeback := decide_comeback(now, claimant, attempted)) is not None:
+        attempted.add(comeback.record.holder)
+        now = apply_comeback(now, comeback)
+        if comeback.way is ComebackWay.START:
+            up.add(comeback.record.holder)
+            home = {s.name for s in family_specs(frozenset(on), present) if s.functions}
+            home -= on
+            returned = decide_return(
+                now, claimant, comeback.record, running=True, home=home, parents=parents
+            )
+            now = apply_return(now, comeback, returned, boot_id=BOOT, created="now")
+        now = check(f"{comeback.record.holder} {comeback.way}", now)
+    end = decide_end(now, claimant, attempted)
+    check(f"end {end}", apply_end(now, claimant, end))
+    return found
+
+
+def test_every_release_keeps_a_vfs_lease_off_a_pf_held_exclusively():
+    """Exhaustive over the PF's and the VF's leases (and a sharer of the VF preempted by
+    the VF's exclusive claim, whose lease a release gives back): every release, I1 with
+    its PF↔VF clause after every step.  A lease is never given back on a VF whose PF
+    another lease holds exclusively (decide_return's last guard)."""
+    cases = list(family_cases())
+    assert len(cases) >= 40, len(cases)
+    for state, vfio, running, present in cases:
+        for item in state.leases:
+            problems = family_release(state, vfio, running, present, item.claimant, FAMILY_PARENTS)
+            assert not problems, (item.claimant, state, vfio, present, problems)
+
+
+def test_without_the_relation_a_release_gives_a_vf_lease_back_under_its_pfs_exclusive_owner():
+    """The same universe with decide_return not told the relation (the planted bug):
+    some release breaks I1, so the check above can fail."""
+    broken = [
+        (state, item.claimant)
+        for state, vfio, running, present in family_cases()
+        for item in state.leases
+        if family_release(state, vfio, running, present, item.claimant, None)
+    ]
+    assert broken, "no state shows the VF's lease given back under the PF's exclusive owner"

@@ -42,8 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from coretools import HOME, bind_by_hand, ledger_bytes
+from coretools import HOME as GPU_HOME
 from coretools import LEDGER_STEPS as WRITE_STEPS
+from coretools import bind_by_hand, ledger_bytes
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -54,19 +55,21 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from invariants import assert_converged, assert_invariants, sim_facts
-from simhosts import audio, gpu, holder, host
+from simhosts import PF, VF0, VF1, audio, gpu, holder, host, sriov_pf, sriov_tokens
 
 from charly_arbiter.core import crashpoints
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import load_config
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import VFIO, LeaseState, LedgerState, Mode, ProcessRef, StepState
+from charly_arbiter.core.vfcount import set_vf_count
 from charly_arbiter.errors import (
     ClaimantRunning,
     ClaimRefused,
     HolderError,
     SwitchFailed,
     TokenPoisoned,
+    VfCountRefused,
 )
 from charly_arbiter.host.sim import SimHost
 
@@ -91,8 +94,18 @@ HOLDERS = {
 PASSTHROUGH = frozenset({"libvirt:vm"})
 REFS = (*HOLDERS, *CLAIMANTS)
 EVERY_CLAIMANT = (*CLAIMANTS, SHARER)
-TOKEN_FUNCTIONS = {"gpu0": ("0000:0a:00.0", "0000:0a:00.1"), "gpu1": ("0000:0b:00.0",)}
+# An SR-IOV physical function (pf, a token configured for 2 VFs) and its first VF (vf0, a
+# token of its own while it exists): a VF's lease is a use of its PF (core/vfs.py).
+TOKEN_FUNCTIONS = {
+    "gpu0": ("0000:0a:00.0", "0000:0a:00.1"),
+    "gpu1": ("0000:0b:00.0",),
+    "pf": (PF,),
+    "vf0": (VF0,),
+}
+PARENTS = {"vf0": "pf"}
 ADDRESSES = tuple(address for functions in TOKEN_FUNCTIONS.values() for address in functions)
+HOME = {**GPU_HOME, PF: "xe", VF0: "xe", VF1: "xe"}
+VF_COUNTS = (0, 1, 2)
 WORKFLOW_STEPS = (
     "acquire.intent",
     "acquire.stop",
@@ -120,7 +133,7 @@ address = "0000:0a:00.0"
 
 [tokens.gpu1]
 address = "0000:0b:00.0"
-"""
+""" + sriov_tokens(2)
 SWITCH_FAULTS = ("fail_switch", "hang_switch")
 HOLDER_FAULTS = ("fail_stop", "fail_start", "rigid")  # rigid: preemptible = false
 # How long a hanging switch blocks before the watchdog gives up.
@@ -154,6 +167,7 @@ class Faults:
             gpu("0000:0a:00.0", group=12, extra=device("0000:0a:00.0")),
             audio("0000:0a:00.1", group=12, extra=device("0000:0a:00.1")),
             gpu("0000:0b:00.0", group=13, model="2204", extra=device("0000:0b:00.0")),
+            sriov_pf(extra=device(PF)),
             *(
                 holder(
                     *holding(ref),
@@ -225,6 +239,7 @@ class World:
     down: frozenset[str] = frozenset()  # holders and claimants that do not run
     poisoned: frozenset[str] = frozenset()
     boot: int = 0
+    vfs: int = 2  # the PF's VF count: vf0 exists while it is at least 1
 
     def lease(self, claimant: str) -> MLease | None:
         return next((lease for lease in self.leases if lease.claimant == claimant), None)
@@ -248,6 +263,26 @@ class World:
     def with_poison(self, token: str, poisoned: bool) -> World:
         return replace(
             self, poisoned=self.poisoned | {token} if poisoned else self.poisoned - {token}
+        )
+
+    def exists(self, token: str) -> bool:
+        return token != "vf0" or self.vfs >= 1
+
+    def held_exclusively(self, token: str, but: tuple[str, ...] = ()) -> bool:
+        return any(
+            lease.mode is EXCLUSIVE and lease.holds(token) and lease.claimant not in but
+            for lease in self.leases
+        )
+
+    def vf_in_use(self, but: str = "") -> bool:
+        """A lease holds vf0, or a release is about to give a sharer its vf0 lease back."""
+        return any(
+            lease.claimant != but
+            and (
+                lease.holds("vf0")
+                or any("vf0" in r.shared and r.holder != but for r in lease.records)
+            )
+            for lease in self.leases
         )
 
     def stranded(self, lease: MLease) -> bool:
@@ -389,6 +424,24 @@ def decide(
     """The rules of a claim: a plan, or ("refused", every reason that applies)."""
     if any(token in world.poisoned for token in tokens):
         return ("refused", frozenset({"poisoned"}))
+    # A VF's lease is a use of its PF: a VF is not claimed under its PF's exclusive owner
+    # or poison, nor while it does not exist; the PF is not passed through while a VF is
+    # in use, nor while VFs exist (vfio-pci would not take it).
+    relation = set()
+    if "vf0" in tokens:
+        if "pf" in world.poisoned:
+            relation.add("pf-poisoned")
+        if world.held_exclusively("pf", but=(claimant,)):
+            relation.add("pf-exclusive")
+        if not world.exists("vf0"):
+            relation.add("absent")
+    if "pf" in tokens and mode is EXCLUSIVE:
+        if world.vf_in_use(but=claimant):
+            relation.add("vfs-in-use")
+        if world.vfs:
+            relation.add("sriov-enabled")
+    if relation:
+        return ("refused", frozenset(relation))
     own = world.lease(claimant)
     if own is not None:
         if own.boot != world.boot:
@@ -711,9 +764,15 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
         run.set(run.world.with_running(record.holder, True))
     world = run.world.put(current(run, claimant).without_record(record.holder))
     # Its shared lease comes back on the tokens that are home: one left on vfio-pci
-    # (poisoned on its way home) is used by nobody.
-    home = tuple(token for token in record.shared if token not in world.vfio)
-    if home and world.lease(record.holder) is None:
+    # (poisoned on its way home) is used by nobody, nor is a VF that does not exist.
+    # Not at all where a token it shared is held exclusively meanwhile: through its
+    # PF for a VF (decide_return's last guard).
+    home = tuple(t for t in record.shared if t not in world.vfio and world.exists(t))
+    taken = any(
+        token in PARENTS and world.held_exclusively(PARENTS[token], (claimant, record.holder))
+        for token in home
+    )
+    if home and not taken and world.lease(record.holder) is None:
         world = world.put(MLease(record.holder, SHARED, home, ACTIVE, world.boot))
     run.set(world)
 
@@ -750,6 +809,27 @@ def model_restore(run: Run, named: tuple[str, ...] | None = None, force: bool = 
     return ("restored", targets)
 
 
+def model_count(run: Run, count: int) -> Outcome:
+    """`vfs pf COUNT`: refused while the PF is poisoned, held exclusively or off its
+    driver, or while vf0 is in use; otherwise the VFs are made again (through 0), on
+    their home driver."""
+    world = run.world
+    reasons = set()
+    if "pf" in world.poisoned:
+        reasons.add("poisoned")
+    if world.held_exclusively("pf"):
+        reasons.add("exclusive")
+    if "pf" in world.vfio:
+        reasons.add("off-driver")
+    if world.vf_in_use():
+        reasons.add("vfs-in-use")
+    if reasons:
+        return ("refused", frozenset(reasons))
+    if count != world.vfs:
+        run.set(replace(world, vfs=count, vfio=world.vfio - {"vf0"}))
+    return ("counted", count)
+
+
 # -- what is compared --------------------------------------------------------------------
 
 
@@ -781,7 +861,9 @@ def observe_model(world: World) -> Obs:
             (address, VFIO if token in world.vfio else HOME[address])
             for token, functions in TOKEN_FUNCTIONS.items()
             for address in functions
-        ),
+            if world.exists(token)
+        )
+        + (((VF1, HOME[VF1]),) if world.vfs >= 2 else ()),
         down=world.down & frozenset(REFS),
         poisoned=world.poisoned,
     )
@@ -804,7 +886,11 @@ def observe_real(state: LedgerState, snapshot: dict[str, Any]) -> Obs:
     running = snapshot["running"]
     return Obs(
         leases=frozenset(leases),
-        drivers=tuple((address, snapshot["drivers"][address]) for address in ADDRESSES),
+        drivers=tuple(
+            (address, snapshot["drivers"][address])
+            for address in (*ADDRESSES, VF1)
+            if address in snapshot["drivers"]
+        ),
         down=frozenset(ref for ref in REFS if not running.get(ref, snapshot["unknown_alive"])),
         poisoned=frozenset(token for token, _ in state.poisoned),
     )
@@ -813,6 +899,14 @@ def observe_real(state: LedgerState, snapshot: dict[str, Any]) -> Obs:
 def refusal_reason(error: ClaimRefused) -> str:
     if isinstance(error, TokenPoisoned):
         return "poisoned"
+    for words, reason in (
+        ("its physical function", "pf-exclusive" if "exclusively" in error.why else "pf-poisoned"),
+        ("does not exist now", "absent"),
+        ("virtual functions are in use", "vfs-in-use"),
+        ("SR-IOV enabled", "sriov-enabled"),
+    ):
+        if words in error.why:
+            return reason
     for words, reason in (
         ("earlier boot", "earlier-boot"),
         ("previous lease is still being released", "own-releasing"),
@@ -846,7 +940,9 @@ def _dead_pid() -> int:
     return child.pid
 
 
-token_sets = st.sampled_from([("gpu0",), ("gpu1",), ("gpu0", "gpu1")])
+token_sets = st.sampled_from(
+    [("gpu0",), ("gpu1",), ("gpu0", "gpu1"), ("pf",), ("vf0",), ("gpu0", "vf0")]
+)
 claimants = st.sampled_from(EVERY_CLAIMANT)
 # Crashes in the workflows' own steps are predicted exactly, those inside a
 # ledger write only up to "before or after some write": the former come first.
@@ -856,7 +952,13 @@ RELEASE_CRASHES = tuple(s for s in WORKFLOW_STEPS if s.startswith("release.")) *
 # A number picks the n-th lease of the model (see `whose`).
 leaseholders = st.integers(0, 3) | claimants
 FAULT_CHANGES = (
-    *(("switch", address, fault) for address in ADDRESSES for fault in (None, *SWITCH_FAULTS)),
+    # (a VF is no device of host.toml: it has no faults of its own)
+    *(
+        ("switch", address, fault)
+        for address in ADDRESSES
+        if address != VF0
+        for fault in (None, *SWITCH_FAULTS)
+    ),
     *((kind, ref, on) for kind in HOLDER_FAULTS for ref in HOLDERS for on in (False, True)),
 )
 
@@ -878,7 +980,9 @@ class ArbiterMachine(RuleBasedStateMachine):
         self.config = load_config(config_path, environ={})
         self.faults = Faults()
         self._write_host()
-        self.host = SimHost(self.sim_dir, switch_timeout=HANG_TIMEOUT)
+        # (a count change never hangs here: its writes get the watchdog of a real switch)
+        self.host = SimHost(self.sim_dir, switch_timeout=HANG_TIMEOUT, count_timeout=15)
+        self.host.write_sysfs(PF, "sriov_numvfs", "2")  # World().vfs
         self.ledger = Ledger(self.config.state_dir, self.config.timeouts.lock_wait)
         # Every operation "runs in a process" that is gone by the time anyone
         # looks: an in-progress lease left by a crash is then stranded.
@@ -984,6 +1088,20 @@ class ArbiterMachine(RuleBasedStateMachine):
             return ("restored", tuple(self.arbiter().restore(named, force=force)))
         except ClaimantRunning:
             return ("refused", "claimant-runs")
+
+    def real_count(self, count: int) -> Outcome:
+        try:
+            return ("counted", set_vf_count(self.arbiter(), "pf", count).count)
+        except VfCountRefused as error:
+            for words, reason in (
+                ("poisoned", "poisoned"),
+                ("held exclusively", "exclusive"),
+                ("is on vfio-pci", "off-driver"),
+                ("in use", "vfs-in-use"),
+            ):
+                if words in error.why:
+                    return ("refused", reason)
+            return ("refused", f"unexpected: {error}")
 
     def claimant_starts(self, claimant: str) -> None:
         # A claimant that claims is starting (a VM in its prepare hook).
@@ -1094,6 +1212,13 @@ class ArbiterMachine(RuleBasedStateMachine):
             f"poison clear {token}", lambda: ("cleared", self.arbiter().clear_poison(token)), model
         )
 
+    @rule(count=st.sampled_from(VF_COUNTS))
+    def set_vfs(self, count: int) -> None:
+        """`charly-arbiter vfs pf COUNT`."""
+        self.step(
+            f"vfs pf {count}", lambda: self.real_count(count), lambda run: model_count(run, count)
+        )
+
     # -- the world outside -----------------------------------------------------------------
 
     @rule(claimant=claimants)
@@ -1113,9 +1238,10 @@ class ArbiterMachine(RuleBasedStateMachine):
             self.host.set_running(claimant, False)
         self.gone.update(CLAIMANTS)
         self.gone -= set(HOLDERS)
+        # The VFs are gone with the old boot (the reconcile unit makes them again).
         self.change(
             lambda world: replace(
-                world, boot=world.boot + 1, vfio=frozenset(), down=frozenset(CLAIMANTS)
+                world, boot=world.boot + 1, vfio=frozenset(), down=frozenset(CLAIMANTS), vfs=0
             )
         )
         self.check("reboot")
@@ -1171,7 +1297,8 @@ class ArbiterMachine(RuleBasedStateMachine):
         # A claimant the simulated host was never told about counts as running.
         alive = snapshot["unknown_alive"]
         snapshot["running"] = {ref: alive for ref in CLAIMANTS} | snapshot["running"]
-        return sim_facts(snapshot, TOKEN_FUNCTIONS, expected)
+        present = {t: a for t, a in TOKEN_FUNCTIONS.items() if a[0] in snapshot["drivers"]}
+        return sim_facts(snapshot, present, expected, PARENTS)
 
     def check(self, label: str) -> None:
         seen = observe_real(self.ledger.read(), self.host.snapshot())

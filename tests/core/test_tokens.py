@@ -162,3 +162,19 @@ def test_without_either_check_one_function_gets_two_owners(make_sim, monkeypatch
     arbiter.acquire("libvirt:b", Mode.EXCLUSIVE, ["gpu0audio"])
     found = violations(arbiter.ledger.read(), function_facts(sim))
     assert any(problem.startswith(f"I1: {GPU0} is held exclusively") for problem in found), found
+
+
+def test_a_token_named_after_its_address_is_no_mig_sub_token(make_sim):
+    """Without a configuration tokens are named after their addresses, colons and all:
+    `0000:0a:00.0` is that token, never instance 0 of a token `0000:0a:00` (found by the
+    chain's zero-config VM on the real kernel); `0000:0a:00.0:1` is its MIG instance 1."""
+    from charly_arbiter.core.model import Mode
+    from charly_arbiter.errors import MigInvalid
+
+    sim = make_sim(config='host = "sim:{sim}"\nstate_dir = "{state}"\n')
+    arbiter = sim.arbiter()
+    catalogue, mig = arbiter.tokens, arbiter.host.mig
+    names = ["0000:0a:00.0", "0000:0b:00.0"]
+    assert catalogue.parent_names(names, Mode.EXCLUSIVE, mig) == names
+    with pytest.raises(MigInvalid, match=r"0000:0a:00\.0 has no MIG instance 1"):
+        catalogue.parent_names(["0000:0a:00.0:1"], Mode.SHARED, mig)

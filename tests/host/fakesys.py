@@ -78,6 +78,9 @@ class FakeSriov:
     vf_native: str | None = None  # the driver new VFs go to with autoprobe on
     offset: int = 1
     stride: int = 1
+    # NVIDIA vGPU (software 17 and later, no mdev): the types the GPU supports; each VF
+    # on nvidia then has nvidia/creatable_vgpu_types and nvidia/current_vgpu_type.
+    vgpu_types: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -301,6 +304,8 @@ class FakeKernel:
             self._store_new_id(owner.name, text)
         elif owner == self._bus() and attribute == "drivers_probe":
             self._store_probe(_device_name(text))
+        elif owner.name == "nvidia" and attribute == "current_vgpu_type":
+            self._store_vgpu_type(owner.parent.name, path, text)
         elif owner.parent == self._real_devices() and attribute == "sriov_numvfs":
             self._store_numvfs(owner.name, text)
         elif owner.parent == self._real_devices() and attribute == "sriov_drivers_autoprobe":
@@ -354,8 +359,55 @@ class FakeKernel:
         self._bind(address, driver)
 
     def _refuses(self, driver: str, address: str) -> bool:
-        """vfio-pci: "Cannot bind to PF with SR-IOV enabled" (vfio_pci_core)."""
-        return driver == "vfio-pci" and bool(self.vfs(address))
+        """vfio-pci: "Cannot bind to PF with SR-IOV enabled" (vfio_pci_core), and an
+        NVIDIA vGPU VF (its probe fails with EINVAL: kubevirt#17642)."""
+        return driver == "vfio-pci" and (bool(self.vfs(address)) or self._vgpu_pf(address))
+
+    # -- NVIDIA vGPU on VFs, as NVIDIA's vGPU user guide documents the files ------------
+
+    def _vgpu_pf(self, address: str) -> FakeDevice | None:
+        """The PF of `address` when it is an NVIDIA vGPU VF (its PF supports vGPU types)."""
+        physfn = self.present()[address].physfn
+        pf = self.devices.get(physfn or "")
+        return pf if pf is not None and pf.sriov is not None and pf.sriov.vgpu_types else None
+
+    def _vgpu_files(self, address: str) -> Path:
+        return self.device_dir(address).resolve() / "nvidia"
+
+    def vgpu_type(self, address: str) -> int:
+        return int((self._vgpu_files(address) / "current_vgpu_type").read_text())
+
+    def _render_creatable(self, pf: FakeDevice) -> None:
+        """What each VF on nvidia may be given now: every type while no VF has one, then
+        only the type the others have (one type at a time, unless in mixed mode), and
+        nothing for a VF that has a type already."""
+        assert pf.sriov is not None
+        vfs = [vf for vf in self.vfs(pf.address) if self._vgpu_files(vf).is_dir()]
+        taken = {self.vgpu_type(vf) for vf in vfs} - {0}
+        for vf in vfs:
+            types = {} if self.vgpu_type(vf) else pf.sriov.vgpu_types
+            lines = ["ID    : vGPU Name"] + [
+                f"{type_id:<5} : {name}"
+                for type_id, name in sorted(types.items())
+                if not taken or type_id in taken
+            ]
+            (self._vgpu_files(vf) / "creatable_vgpu_types").write_text("\n".join(lines) + "\n")
+
+    def _store_vgpu_type(self, address: str, path: Path, text: str) -> None:
+        pf = self._vgpu_pf(address)
+        assert pf is not None
+        try:
+            wanted = int(text.strip())
+        except ValueError:
+            raise _error(errno.EINVAL, path) from None
+        if wanted and self.vgpu_type(address):
+            raise _error(errno.EBUSY, path)  # it has a vGPU: write 0 first
+        creatable = (self._vgpu_files(address) / "creatable_vgpu_types").read_text()
+        listed = {line.partition(":")[0].strip() for line in creatable.splitlines()[1:]}
+        if wanted and str(wanted) not in listed:
+            raise _error(errno.EINVAL, path)
+        path.write_text(f"{wanted}\n")
+        self._render_creatable(pf)
 
     def _can_probe(self, address: str) -> bool:
         """pci_device_can_probe: a VF only with its PF's autoprobe on, or an override."""
@@ -538,6 +590,11 @@ class FakeKernel:
         (self.sys / "bus/pci/drivers" / driver / address).symlink_to(real)
         if driver == "vfio-pci" and device.group is not None:
             (self.dev / "vfio" / device.group).touch()
+        pf = self._vgpu_pf(address) if driver == "nvidia" else None
+        if pf is not None:
+            self._vgpu_files(address).mkdir()
+            (self._vgpu_files(address) / "current_vgpu_type").write_text("0\n")
+            self._render_creatable(pf)
         if driver == device.native and device.drm:
             (real / "drm").mkdir(exist_ok=True)
             (self.dev / "dri").mkdir(exist_ok=True)
@@ -569,6 +626,10 @@ class FakeKernel:
         devices = self.present()
         device = devices[address]
         real = self.device_dir(address).resolve()
+        if driver == "nvidia" and self._vgpu_files(address).is_dir():
+            for name in ("creatable_vgpu_types", "current_vgpu_type"):
+                (self._vgpu_files(address) / name).unlink()
+            self._vgpu_files(address).rmdir()
         if driver == "vfio-pci" and device.group is not None:
             others = [a for a, d in devices.items() if d.group == device.group and a != address]
             if not any(self.driver_of(a) == "vfio-pci" for a in others):
@@ -644,4 +705,16 @@ def gpu_with_vfs(root: Path) -> FakeKernel:
     sriov = FakeSriov(total_vfs=2, vf_device="56c1", vf_native="i915")
     kernel.add(FakeDevice("0000:03:00.0", "8086", "56c0", "038000", "i915", "20", sriov=sriov))
     kernel.add(FakeDevice("0000:0b:00.0", "8086", "a780", "030000", "i915", "13", drm=("card0",)))
+    return kernel
+
+
+def nvidia_with_vgpu_vfs(root: Path) -> FakeKernel:
+    """An NVIDIA GPU with SR-IOV whose VFs serve vGPU (an L40S as NVIDIA's vGPU 17+
+    drives it: no mdev, the VFs come up on nvidia and get a type through
+    nvidia/current_vgpu_type): the PF at 0000:41:00.0 (group 30), up to 4 VFs from
+    41:00.4 (offset 4, as NVIDIA's PFs place them), vGPU types 1-Q, 2-Q and 4-Q."""
+    kernel = FakeKernel(root, loaded={"vfio-pci", "nvidia"})
+    types = {557: "NVIDIA L40S-1Q", 558: "NVIDIA L40S-2Q", 560: "NVIDIA L40S-4Q"}
+    sriov = FakeSriov(4, "26b9", vf_native="nvidia", offset=4, vgpu_types=types)
+    kernel.add(FakeDevice("0000:41:00.0", "10de", "26b9", "030200", "nvidia", "30", sriov=sriov))
     return kernel

@@ -26,8 +26,12 @@ from pathlib import Path
 import pytest
 from fakesys import FakeKernel, gpu_with_vfs
 
+from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import Config, TokenConfig
 from charly_arbiter.core.host import NO_DRIVER, Sriov
+from charly_arbiter.core.ledger import Ledger
+from charly_arbiter.core.model import LedgerState, Mode
+from charly_arbiter.core.planner import home_map
 from charly_arbiter.core.tokens import TokenCatalogue
 from charly_arbiter.errors import SwitchFailed, SwitchHung
 from charly_arbiter.host.blocking import ChildWriter, TimedOut, bounded
@@ -225,6 +229,36 @@ def test_a_vf_configured_by_address_knows_its_pf_and_goes_to_vfio_pci_and_back(k
     # asks its physical function whether the device answers.
     host.switch(vf0, {VF0: NO_DRIVER})
     assert kernel.driver_of(VF0) is None
+
+
+def test_a_vfs_home_is_no_driver_while_its_pfs_autoprobe_is_off(kernel, make_host, tmp_path):
+    """On the real kernel a VF under a PF with `sriov_drivers_autoprobe` 0 stays without
+    a driver, and `drivers_probe` binds none to it without an override: its home is no
+    driver, or a release would send it to i915 (whose module takes it), the bind would
+    never come, and the VF would be poisoned.  With autoprobe on, the kernel's own
+    choice is its home, as for any function found without a driver."""
+    release = tmp_path / "modules" / os.uname().release
+    release.mkdir(parents=True)
+    (release / "modules.alias").write_text("alias pci:v00008086d*sv*sd*bc03sc*i* i915\n")
+    (release / "modules.dep").write_text("kernel/drivers/gpu/drm/i915/i915.ko:\n")
+    (release / "modules.builtin").write_text("")
+    numvfs(kernel, "1")
+    kernel.write(kernel.device_dir(VF0) / "driver" / "unbind", VF0)
+    host = make_host(tokens=(TokenConfig("vf0", VF0),), modules_root=tmp_path / "modules")
+    [vf0] = TokenCatalogue(host.config, host).resolve(["vf0"])
+    assert home_map(LedgerState(), vf0) == {VF0: "i915"}
+    autoprobe_off(kernel)
+    [vf0] = TokenCatalogue(host.config, host).resolve(["vf0"])
+    assert home_map(LedgerState(), vf0) == {VF0: NO_DRIVER}
+    # A claim and its release, as the hook makes them: back to no driver, not poisoned.
+    config = host.config
+    arbiter = Arbiter(config, host, Ledger(config.state_dir))
+    arbiter.acquire("libvirt:vm", Mode.EXCLUSIVE, ["vf0"])
+    assert kernel.driver_of(VF0) == "vfio-pci"
+    assert arbiter.release_claimant("libvirt:vm", force=True)
+    assert kernel.driver_of(VF0) is None
+    state = arbiter.ledger.read()
+    assert state.leases == () and state.poisoned == ()
 
 
 def test_a_vf_whose_pf_does_not_answer_fails_the_health_check(kernel, make_host):

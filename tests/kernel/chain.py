@@ -21,6 +21,10 @@ Like scenario.py, nothing here asserts: each step records facts (exit codes,
 messages, drivers, /dev/vfio, the ledger, the invariants of tests/invariants.py,
 the logs) into /run/results/chain.json and goes on.
 
+Before anything else, on the SR-IOV NVMe controller as QEMU made it, it runs
+sriov_scenario.py's steps (results.json, judged by test_sriov_kernel.py): one boot
+for both (conftest.py).
+
 Usage: chain.py KERNEL_ROOT STAGE
 """
 
@@ -45,6 +49,13 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from invariants import HostFacts, violations  # noqa: E402
+from scenario import (  # noqa: E402
+    VFIO_GROUP_GET_DEVICE_FD,
+    VFIO_GROUP_SET_CONTAINER,
+    VFIO_SET_IOMMU,
+    VFIO_TYPE1_IOMMU,
+)
+from sriov_scenario import Guest as SriovGuest  # noqa: E402
 
 from charly_arbiter.core.ledger import Ledger  # noqa: E402
 
@@ -625,6 +636,230 @@ def scenario_home_driver_gone(out: dict[str, Any]) -> None:
     out["restored"] = facts("gpu")
 
 
+# -- SR-IOV: QEMU's NVMe controller as a GPU's physical function ---------------------------
+
+PF, VF0, VF1 = "0000:01:00.0", "0000:01:00.1", "0000:01:00.2"
+SRIOV_CONFIG = """
+hook_log = "{hook_log}"
+
+[timeouts]
+lock_wait = 30
+driver_switch = {timeout}
+libvirt_call = 30
+claim_grace = 60
+
+[tokens.gpu]
+address = "{gpu}"
+console = "release"
+
+[tokens.pf]
+address = "{pf}"
+vfs = 2
+
+[tokens.vf0]
+address = "{vf0}"
+"""
+SRIOV_WATCHDOG = 3  # seconds: timeouts.driver_switch, the count's watchdog too
+VF_DOMAIN_HOSTDEV = """    <hostdev mode='subsystem' type='pci' managed='yes'>
+      <source><address domain='0x0000' bus='0x01' slot='0x00' function='0x1'/></source>
+      <rom bar='off'/>
+    </hostdev>"""
+# A "VM" that holds a VF's VFIO device as QEMU does (container, IOMMU type, device
+# fd); with KEEP_GROUP 0 it then closes the group's node, keeping only the device fd
+# (which still holds the group): no /dev/vfio/N is left in its fds to be seen.
+VF_HOLDER = f"""
+import fcntl, os, struct, sys, time
+group, address, ready, keep_group = sys.argv[1:5]
+container = os.open("/dev/vfio/vfio", os.O_RDWR)
+group_fd = os.open(f"/dev/vfio/{{group}}", os.O_RDWR)
+fcntl.ioctl(group_fd, {VFIO_GROUP_SET_CONTAINER}, struct.pack("i", container))
+fcntl.ioctl(container, {VFIO_SET_IOMMU}, {VFIO_TYPE1_IOMMU})
+name = bytearray(address.encode() + b"\\0")
+device = fcntl.ioctl(group_fd, {VFIO_GROUP_GET_DEVICE_FD}, name, True)
+if keep_group == "0":
+    os.close(group_fd)
+open(ready, "w").write(str(device))
+time.sleep(600)
+"""
+
+
+def sriov_state() -> dict[str, Any]:
+    """The PF, its VFs (by their links, and which devices exist) and their drivers."""
+    pf = SYS / "devices" / PF
+    links = sorted(name for name in os.listdir(pf) if name.startswith("virtfn"))
+    return {
+        "drivers": {a: driver(a) for a in (PF, VF0, VF1) if (SYS / "devices" / a).exists()},
+        "virtfn": links,
+        "vfs": [os.path.basename(os.readlink(pf / name)) for name in links],
+        "pf_nvme_controller": sorted(os.listdir(pf / "nvme")) if (pf / "nvme").is_dir() else [],
+    }
+
+
+def sriov_facts(name: str | None = None) -> dict[str, Any]:
+    state = sriov_state()
+    host = HostFacts(
+        drivers=state["drivers"],
+        token_functions={"pf": [PF], **({"vf0": [VF0]} if VF0 in state["drivers"] else {})},
+        running={},
+        parents={"vf0": "pf"},
+    )
+    out: dict[str, Any] = {
+        "at": time.time(),
+        **state,
+        "vfio": vfio_nodes(),
+        "ledger": ledger(),
+        "violations": violations(Ledger(STATE_DIR).read(), host),
+    }
+    if name is not None:
+        pid = qemu_pid(name)
+        out["domain"] = {
+            "state": domain_state(name),
+            "qemu_alive": alive(pid),
+            "qemu_vfio": open_vfio(pid) if alive(pid) else [],
+        }
+    return out
+
+
+def iommu_group(address: str) -> str:
+    return os.path.basename(os.readlink(SYS / "devices" / address / "iommu_group"))
+
+
+def hold_vf(address: str, keep_group: bool) -> subprocess.Popen[bytes]:
+    ready = Path(f"/run/vf-holder-{address}-{int(keep_group)}")
+    ready.unlink(missing_ok=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            VF_HOLDER,
+            iommu_group(address),
+            address,
+            str(ready),
+            "1" if keep_group else "0",
+        ],
+        stderr=subprocess.PIPE,
+    )
+    if not wait_for(ready.exists, 60):
+        holder.kill()
+        raise RuntimeError(f"the holder of {address} never opened it: {holder.stderr}")
+    return holder
+
+
+def history_since(since: float) -> list[dict[str, Any]]:
+    from charly_arbiter.ops.history import HistoryLog
+
+    return [
+        {"at": record.time.timestamp(), "event": record.kind, **record.fields}
+        for record in HistoryLog(STATE_DIR).read().records
+        if record.time.timestamp() >= since
+    ]
+
+
+def wchans(pattern: str) -> list[dict[str, Any]]:
+    """Processes asleep in a kernel function whose name has `pattern` (the write helper
+    stuck in the teardown)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            wchan = (entry / "wchan").read_text()
+            state = (entry / "stat").read_text().rpartition(")")[2].split()[0]
+            argv = (entry / "cmdline").read_bytes().split(b"\0")[:3]
+        except OSError:
+            continue
+        if pattern in wchan:
+            found.append(
+                {
+                    "pid": int(entry.name),
+                    "wchan": wchan,
+                    "state": state,
+                    "argv": [a.decode(errors="replace") for a in argv],
+                }
+            )
+    return found
+
+
+def dmesg() -> list[str]:
+    done = subprocess.run(["/usr/bin/dmesg", "-c"], capture_output=True, text=True, check=False)
+    return done.stdout.splitlines()
+
+
+def scenario_sriov(out: dict[str, Any]) -> None:
+    """A GPU that is many, on the real kernel, through the installed CLI and the real
+    libvirtd: VFs made by `vfs`; a nested VM with a VF as its hostdev (the hook claims
+    the VF, the PF stays on its driver); the PF's exclusive claim and a count change
+    refused while the VF is leased; a count change refused while a process holds the
+    other VF; the same change, with the holder keeping only its device fd, hung in the
+    kernel, met by the watchdog and poisoned; the VFs torn down and made again."""
+    begun = time.time()
+    out["modprobe"] = modprobe("nvme")
+    out["pf_bound"] = wait_for(lambda: driver(PF) == "nvme", 60)
+    # The operator's setting for VFs that go to VMs: the host's driver does not take them.
+    (SYS / "devices" / PF / "sriov_drivers_autoprobe").write_text("0")
+    configure(
+        SRIOV_CONFIG.format(hook_log=HOOK_LOG, timeout=SRIOV_WATCHDOG, gpu=GPU, pf=PF, vf0=VF0)
+    )
+    dmesg()
+    out["create"] = cli("vfs", "--json", "pf", "2")
+    out["created"] = sriov_facts()
+    out["status"] = cli("status", "--json")
+    out["defined"] = DOMAINS.define(
+        DOMAIN.format(name="chain-vf", hostdevs=VF_DOMAIN_HOSTDEV, kernel=HALT)
+    )
+    out["vm_start"] = virsh("start", "chain-vf")
+    out["vm_running"] = sriov_facts("chain-vf")
+    out["pf_refused"] = cli("acquire", "--exclusive", "libvirt:whole", "pf")
+    out["count_refused_leased"] = cli("vfs", "pf", "0")
+    out["vm_destroy"] = virsh("destroy", "chain-vf")
+    wait_for(lambda: not finish_release_running() and driver(VF0) is None, 30)
+    out["vm_destroyed"] = sriov_facts("chain-vf")
+    # The second VF, no token, bound to vfio-pci by hand and held as QEMU holds it.
+    override = SYS / "devices" / VF1 / "driver_override"
+    override.write_text("vfio-pci")
+    (SYS / "drivers_probe").write_text(VF1)
+    out["vf1_on_vfio"] = wait_for(lambda: driver(VF1) == "vfio-pci", 10)
+    holder = hold_vf(VF1, keep_group=True)
+    try:
+        out["holder_pid"] = holder.pid
+        out["count_refused_held"] = cli("vfs", "pf", "0")
+    finally:
+        holder.kill()
+        holder.wait()
+    # The same, its group node closed: no scan of /dev nodes sees the holder now.
+    holder = hold_vf(VF1, keep_group=False)
+    try:
+        out["hidden_holder_pid"] = holder.pid
+        out["hidden_holder_vfio_fds"] = open_vfio(holder.pid)
+        since = time.time()
+        out["hung"] = cli("vfs", "--json", "pf", "0")
+        out["hung_history"] = history_since(since)
+        out["hung_dmesg"] = dmesg()
+        out["hung_helper"] = wchans("vfio")
+        out["hung_facts"] = sriov_facts()
+        out["hung_claims"] = {
+            "vf0": cli("acquire", "--exclusive", "libvirt:vm", "vf0"),
+            "pf": cli("acquire", "--shared", "container:c", "pf"),
+        }
+    finally:
+        killed = time.monotonic()
+        holder.kill()
+        holder.wait()
+    # (their links went before the write blocked: the devices are what is left)
+    out["vfs_gone"] = wait_for(
+        lambda: not any((SYS / "devices" / vf).exists() for vf in (VF0, VF1)), 60
+    )
+    out["vfs_gone_after_kill"] = round(time.monotonic() - killed, 3)
+    out["after_kill"] = sriov_facts()
+    out["after_kill_dmesg"] = dmesg()
+    out["clear"] = cli("poison", "clear", "pf")
+    out["recreate"] = cli("vfs", "--json", "pf", "2")
+    out["teardown"] = cli("vfs", "--json", "pf", "0")
+    out["configured"] = cli("vfs", "--configured")
+    out["final"] = sriov_facts()
+    out["history"] = history_since(begun)
+
+
 # -- the logs --------------------------------------------------------------------------------
 
 LIBVIRT_LINE = re.compile(
@@ -664,6 +899,9 @@ def main() -> None:
     out["guest_uptime_at_start"] = float(Path("/proc/uptime").read_text().split()[0])
     example = (stage / "etc" / "charly-arbiter" / "arbiter.toml").read_text()
     steps = [
+        # First, on the PF as QEMU made it: the kernel's SR-IOV facts with the package's
+        # own code (sriov_scenario.py, judged by test_sriov_kernel.py from results.json).
+        ("sriov_kernel", lambda record: SriovGuest(str(kernel_root)).run()),
         ("setup", lambda record: setup(kernel_root, stage, record)),
         ("managed_yes", scenario_managed_yes),
         ("managed_no", scenario_managed_no),
@@ -671,6 +909,7 @@ def main() -> None:
         ("zero_config", lambda record: scenario_zero_config_terminating(record, example)),
         ("vfio_unavailable", scenario_vfio_unavailable),
         ("home_driver_gone", scenario_home_driver_gone),
+        ("sriov", scenario_sriov),
     ]
     for name, step in steps:
         record: dict[str, Any] = {}

@@ -1,7 +1,8 @@
 """SR-IOV on a real kernel: Debian's 6.1 under QEMU/TCG with QEMU's emulated NVMe
 controller (`guest.SRIOV_NVME`) standing in for a GPU's physical function.
 
-One boot runs sriov_scenario.py inside the guest, with the package's own code:
+The chain's boot (conftest.py: one for this module and test_chain.py) runs
+sriov_scenario.py inside the guest first, with the package's own code:
 the virtual functions created and torn down by writes of `sriov_numvfs` made
 by the write helper under the watchdog, the PF↔VF relation read by `Sysfs` and
 shown by the real `detect --json`, a VF configured by its address switched to
@@ -17,50 +18,22 @@ simulated host to the same facts.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
-from guest import (
-    SRIOV_NVME,
-    Kernel,
-    QemuUnavailable,
-    boot,
-    check_qemu,
-    prepare_kernel,
-    recorded,
-    repo_mount_script,
-)
+from chainboot import ChainBoot
+from guest import recorded
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel]
 
-REPO = Path(__file__).resolve().parents[2]
 PF = "0000:01:00.0"
 VF0, VF1 = "0000:01:00.1", "0000:01:00.2"
 
 
-def guest_script(kernel: Kernel) -> str:
-    return (
-        "export PATH=/usr/sbin:/usr/bin:/sbin:/bin PYTHONDONTWRITEBYTECODE=1 HOME=/tmp\n"
-        + repo_mount_script(REPO)
-        + f"export PYTHONPATH={REPO}\n"
-        f"/usr/bin/python3 {REPO}/tests/kernel/sriov_scenario.py {kernel.root}\n"
-    )
-
-
 @pytest.fixture(scope="module")
-def guest(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    try:
-        check_qemu()
-    except QemuUnavailable as why:
-        pytest.skip(f"QEMU CANNOT RUN HERE, the real-kernel tests are SKIPPED: {why}")
-    kernel = prepare_kernel()
-    directory = tmp_path_factory.mktemp("sriov")
-    booted = boot(
-        kernel, directory, guest_script(kernel), timeout=600, repo=REPO, devices=SRIOV_NVME
-    )
-    found = recorded(directory, booted)
-    print(f"guest run took {booted.seconds:.1f} s; steps: {found['step_seconds']}")
+def guest(chain_boot: ChainBoot) -> dict[str, Any]:
+    found = recorded(chain_boot.directory, chain_boot.booted)
+    print(f"sriov steps: {found['step_seconds']}")
     return found
 
 

@@ -151,6 +151,25 @@ def test_a_cdi_name_claims_the_token_that_lists_it(oci: Any) -> None:
     assert oci.status()["leases"][0]["tokens"] == ["gpu1"]
 
 
+def test_a_mig_devices_cdi_name_claims_the_token_of_its_gpu_shared(oci: Any) -> None:
+    """NVIDIA's CDI spec names MIG device 3 of GPU 1 `nvidia.com/gpu=1:3` (and
+    `nvidia.com/gpu=mig1:3` with type-index names): the container uses that GPU, so
+    the token that lists the GPU's own name takes a shared lease on it."""
+    config = oci.config_path.read_text().replace(
+        '[tokens.gpu1]\naddress = "0000:0b:00.0"',
+        '[tokens.gpu1]\naddress = "0000:0b:00.0"\ncdi_devices = ["nvidia.com/gpu=1"]',
+    )
+    oci.config_path.write_text(config)
+    for container, name in (("c6", "nvidia.com/gpu=1:3"), ("c7", "nvidia.com/gpu=mig1:0")):
+        annotations = {"io.container.manager": "libpod", "cdi.k8s.io/gpu": name}
+        if name.endswith("mig1:0"):
+            oci.config_path.write_text(config.replace('gpu=1"]', 'gpu=gpu1"]'))
+        created = oci.hook(state(container, oci.bundle(container)), spec(annotations=annotations))
+        assert created.returncode == 0, created.stderr
+    leases = {lease["claimant"]: lease for lease in oci.status()["leases"]}
+    assert [(x["tokens"], x["mode"]) for x in leases.values()] == [(["gpu1"], "shared")] * 2
+
+
 def test_a_release_always_exits_0_even_on_a_corrupt_ledger(oci: Any) -> None:
     bundle = oci.bundle("c5")
     assert oci.hook(state("c5", bundle), spec(oci.node)).returncode == 0

@@ -304,8 +304,9 @@ class ReconcileUnit:
     """Stands in for systemd running charly-arbiter-reconcile.service, and for
     node_exporter's systemd collector reporting it: systemd is not PID 1 here.
 
-    The command is the unit file's own ExecStart, run as the real CLI against the
-    simulated host.  A Type=oneshot service without RemainAfterExit= is
+    The commands are the unit file's own ExecStart and ExecStartPost lines, run in
+    order as the real CLI against the simulated host, stopping at the first that
+    fails (as systemd does).  A Type=oneshot service without RemainAfterExit= is
     `inactive` after its command exits 0 and `failed` after it exits otherwise
     (systemd.service(5)); the collector exports node_systemd_unit_state with one
     series per state, 1 for the unit's own, labelled name, state and type (the
@@ -319,13 +320,20 @@ class ReconcileUnit:
         unit = (REPO / "etc" / "systemd" / self.NAME).read_text()
         settings = dict(re.findall(r"^(\w+)=(.*)$", unit, re.MULTILINE))
         assert settings["Type"] == "oneshot" and "RemainAfterExit" not in settings
-        program, *self.args = settings["ExecStart"].split()
-        assert program == "/usr/bin/charly-arbiter"
+        self.commands = []
+        for line in re.findall(r"^ExecStart(?:Post)?=(.*)$", unit, re.MULTILINE):
+            program, *args = line.split()
+            assert program == "/usr/bin/charly-arbiter"
+            self.commands.append(args)
         self.sim = sim
         self.state = "inactive"  # it ran fine at the last boot
 
     def start(self) -> int:
-        returncode = self.sim.cli(*self.args).returncode
+        returncode = 0
+        for args in self.commands:
+            returncode = self.sim.cli(*args).returncode
+            if returncode:
+                break
         self.state = "inactive" if returncode == 0 else "failed"
         return int(returncode)
 
