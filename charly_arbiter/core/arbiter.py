@@ -265,6 +265,7 @@ class Arbiter:
         with self.ledger.transaction() as txn:
             _refuse_if_holders_came_back(seen, txn.state, holders, claimant, tokens)
             stranded = self._stranded_unlocked(txn.state, boot_id, alive)
+            self._refuse_if_drivers_moved(txn.state, claimant, tokens)
             plan = decide_claim(
                 txn.state,
                 claimant,
@@ -326,6 +327,24 @@ class Arbiter:
         )
         crashpoint("acquire.active")
         return plan
+
+    def _refuse_if_drivers_moved(
+        self, state: LedgerState, claimant: Claimant, tokens: Sequence[TokenSpec]
+    ) -> None:
+        """Retry a claim whose drivers, read before the lock, say "on vfio-pci with no
+        lease" while they say otherwise now: a release that finished in between sent
+        the GPU home and then gave its lease back (a VM destroyed and started at once).
+        Under the lock no release moves them, so the second reading is the truth; a
+        token still on vfio-pci with nothing to account for it is refused by the
+        planner as before."""
+        for token in tokens:
+            if not unaccounted(state, token):
+                continue
+            now_spec = replace(token, functions=tuple(self.tokens.functions_now(token)))
+            if not unaccounted(state, now_spec):
+                raise ClaimRefused(
+                    token.name, str(claimant), "its drivers moved while it was read", retry=True
+                )
 
     def _intent_unlocked(self, state: LedgerState, plan: ClaimPlan, boot_id: str) -> LedgerState:
         for token, home in plan.homes.items():

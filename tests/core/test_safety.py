@@ -116,6 +116,27 @@ def test_a_vm_destroyed_and_started_at_once_runs_with_its_lease(sim):
         sim.host().set_running("libvirt:win11", True)
 
 
+def test_a_claim_that_read_the_drivers_before_a_release_finished_is_not_refused(sim):
+    """Found by CI (the test above, Debian's python): a prepare read gpu0 on vfio-pci
+    while its previous lease was releasing; the release then sent gpu0 home and gave the
+    lease back before the prepare took the lock, and the planner, with no lease and the
+    stale drivers, refused the VM as "on vfio-pci and no lease accounts for it".  Here
+    the first reading is made stale by hand: the claim reads again and goes through."""
+    arbiter = sim.arbiter()
+    arbiter.acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    stale = arbiter.tokens.reread(["gpu0"])  # on vfio-pci, under the lease
+    sim.stopped("libvirt:win11")
+    arbiter.release_claimant("libvirt:win11")
+    sim.host().set_running("libvirt:win11", True)
+    assert host_state(sim)["drivers"]["0000:0a:00.0"] == "nvidia"
+    readings = iter([stale])
+    fresh = arbiter.tokens.reread
+    arbiter.tokens.reread = lambda names: next(readings, None) or fresh(names)  # type: ignore[method-assign]
+    arbiter.acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    assert read_ledger(sim.state_dir).lease_of("libvirt:win11") is not None
+    check_invariants(sim, "after the claim")
+
+
 def test_a_prepare_that_waits_too_long_for_its_release_is_refused_clearly(sim):
     """A release that never ends (its writer hung) does not let the VM start without a
     lease: the prepare waits `claim_wait`, then refuses with the reason."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import click
 import pytest
 from servetools import Ran, Served, cli, serving
-from simhosts import default_host
+from simhosts import PF, default_host, mig_host, sriov_pf, sriov_tokens
 
 from charly_arbiter.cli import COMMANDS
 from charly_arbiter.cli.app import build
@@ -101,6 +101,11 @@ CASES = [
     C(("detach", "llm.service")),
     C(("adopt", "--admin", "gpu0"), "unaccounted"),
     C(("send-home", "gpu1")),
+    C(("vfs", "pf", "1"), "sriov"),
+    C(("vfs", "pf", "3"), "sriov"),
+    C(("mig", "gpu0")),
+    C(("mig", "gpu0", "on"), "mig"),
+    C(("mig", "gpu0", "on"), "mig_held"),
     # The hooks: their slow paths are handed over; stdout stays empty both ways.
     C(("hook", "qemu", "vm", "prepare", "begin", "-"), "held", HOSTDEV),
     C(("hook", "qemu", "win11", "release", "end", "-"), "held", HOSTDEV),
@@ -162,6 +167,22 @@ def _cdi_poisoned(sim: SimEnv) -> None:
     (bundle / "config.json").write_text('{"ociVersion": "1.0.2"}')
 
 
+def _sriov(sim: SimEnv) -> None:
+    """An SR-IOV physical function configured for 2 VFs, with them."""
+    sim.set_host(default_host() + sriov_pf())
+    sim.config_path.write_text(sim.config_path.read_text() + sriov_tokens(2))
+    sim.host().write_sysfs(PF, "sriov_numvfs", "2")
+
+
+def _mig(sim: SimEnv) -> None:
+    sim.set_host(mig_host())
+
+
+def _mig_held(sim: SimEnv) -> None:
+    _mig(sim)
+    _hold(sim)
+
+
 def _proxmox_held(sim: SimEnv) -> None:
     pve = sim.root / "pve"
     (pve / "qemu-server").mkdir(parents=True)
@@ -183,6 +204,9 @@ SCENARIOS: dict[str, Callable[[SimEnv], None]] = {
     "unaccounted": _unaccounted,
     "cdi_poisoned": _cdi_poisoned,
     "proxmox_held": _proxmox_held,
+    "sriov": _sriov,
+    "mig": _mig,
+    "mig_held": _mig_held,
 }
 
 
