@@ -479,7 +479,7 @@ if __name__ == "__main__":
         target = Path(sys.argv[2])
         target.write_text(exits.in_document(target.read_text()))
         sys.exit(0)
-    if len(sys.argv) != 2:
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):  # `--help` is no directory
         sys.exit(f"usage: {sys.argv[0]} OUTDIR | --exit-table FILE")
     for page in generate(Path(sys.argv[1])):
         print(page)
