@@ -24,6 +24,7 @@ from charly_arbiter.core.host import (
     MigChange,
     MigState,
     PciFunction,
+    ScreenUse,
     TokenSpec,
     common_blocker,
     vgpu_type_of,
@@ -276,6 +277,14 @@ class LocalHost:
                         "nvidia is bound but NVML does not list the GPU (see `dmesg` for NVRM "
                         "errors); try `nvidia-smi -r -i` on it, else reboot the host",
                     )
+
+    def screen(self, token: TokenSpec) -> ScreenUse:
+        display = self.console.of(token)
+        return ScreenUse(
+            token.name,
+            boot_vga=bool(display.boot_vga),
+            fbcon=bool(display.framebuffers and display.consoles),
+        )
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         blocker = common_blocker(token)
