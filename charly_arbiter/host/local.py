@@ -51,6 +51,7 @@ from charly_arbiter.host.kmod import MODULES_ROOT, KernelModules
 from charly_arbiter.host.nvml import Nvml
 from charly_arbiter.host.pcidata import pci_data
 from charly_arbiter.host.procscan import DeviceNumber, process_alive, process_ref
+from charly_arbiter.host.screen import ScreenReader
 from charly_arbiter.host.sysfs import HOST_ROOTS, SYS_ROOT, Roots, Switcher, Sysfs
 from charly_arbiter.host.sysfs import write_attribute as default_writer
 
@@ -142,6 +143,7 @@ class LocalHost:
             self.switcher.blocking_writer,
             config.timeouts.driver_switch,
         )
+        self.screens = ScreenReader(self.sysfs, roots, self.console)
         self.nvml = Nvml()
         self.mig_error = ""  # why `mig` said None last
         self.processes = ProcessHolders(
@@ -279,12 +281,7 @@ class LocalHost:
                     )
 
     def screen(self, token: TokenSpec) -> ScreenUse:
-        display = self.console.of(token)
-        return ScreenUse(
-            token.name,
-            boot_vga=bool(display.boot_vga),
-            fbcon=bool(display.framebuffers and display.consoles),
-        )
+        return self.screens.of(token)
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         blocker = common_blocker(token)
