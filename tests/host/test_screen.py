@@ -279,3 +279,21 @@ def test_a_gpu_nobody_uses_drives_no_screen(tree):
 )
 def test_the_unit_of_a_cgroup(path: str, unit: str | None) -> None:
     assert unit_of_cgroup(path) == unit
+
+
+def test_detect_says_who_uses_each_gpus_screen_in_words_and_in_json(tree):
+    from charly_arbiter.host.detect import detect, document, render
+
+    kernel, proc, run, host = tree
+    desktop(proc, run, kernel.dev)
+    found = detect(host)
+    text = render(found)
+    assert (
+        "    gpu0 drives seat0: charly-weston.service, the wayland session of charly-weston, "
+        "uid 998 (session 2)"
+    ) in text
+    assert "    gpu1 drives no screen" in text
+    [boot] = [g for g in document(found)["gpus"] if g["address"] == BOOT]
+    assert boot["screen"]["display_manager"] == "charly-weston.service"
+    assert boot["screen"]["sessions"][0]["user"] == "charly-weston"
+    assert [p["pid"] for p in boot["screen"]["processes"]] == [612, 700]
