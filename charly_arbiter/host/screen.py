@@ -21,7 +21,10 @@ token's `dri/card*` and `dri/renderD*` nodes, and each is placed:
   the unit.  Where the leader has no such id, the unit of the leader's parent is
   taken, if it is a system service.
 
-Which processes are the screen's: any that has a card (primary, KMS) node open;
+Which processes are the screen's: any that has a card (primary, KMS) node open,
+but logind and PID 1, which hold a session's devices for it (logind opens the card
+for the session's compositor, TakeDevice, and keeps the fd in PID 1's fd store:
+seen with systemd 252, tests/kernel/test_systemd_units.py);
 one with only a render node when it runs in a graphical (x11, wayland, mir) or
 seated session, in the display manager's unit, or in the user units of a user
 with such a session (`user@1000.service: pipewire.service`).  A system service or
@@ -48,6 +51,8 @@ NO_SESSION = "4294967295"  # (uint32) -1: /proc/PID/sessionid of a process in no
 # 256 and later open a session for user@.service).
 MANAGER_CLASSES = frozenset({"manager", "manager-early", "background", "background-light"})
 _ENVIRON_MAX = 1 << 20
+# Hold a session's devices on its behalf: no one's screen of their own.
+DEVICE_BROKERS = frozenset({"systemd-logind.service", "init.scope"})
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,8 @@ class ScreenReader:
         found = []
         for pid, names in sorted(held.items()):
             unit = self.unit_of(pid)
+            if pid == 1 or unit in DEVICE_BROKERS:
+                continue
             session_id = self._session_id(pid, unit)
             session = None
             if session_id is not None:
