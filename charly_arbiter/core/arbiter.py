@@ -18,12 +18,13 @@ from dataclasses import dataclass, replace
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import EventKind, Events, drivers_label
-from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, TokenSpec
+from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, ScreenUse, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.liveness import claimant_liveness, claimant_runs, stranded_claimants
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
+    HolderKind,
     Lease,
     LeaseState,
     LedgerState,
@@ -174,6 +175,7 @@ class Arbiter:
             coverage=self.tokens.addresses(),
             parents=self.tokens.parents(),
             vf_users=self._vf_users(mode, tokens),
+            screens=self._screens(mode, tokens),
         )
 
     def plan_release(self, claimant: str, *, force: bool = False) -> ReleasePlan | None:
@@ -186,6 +188,13 @@ class Arbiter:
             return {}
         found = {token.name: self.host.passthrough_blocker(token) for token in tokens}
         return {name: blocker for name, blocker in found.items() if blocker is not None}
+
+    def _screens(self, mode: Mode, tokens: Sequence[TokenSpec]) -> dict[str, ScreenUse]:
+        """Who uses each token's screen, for an exclusive claim (a shared one leaves the
+        GPU on its driver, its screen with it)."""
+        if mode is not Mode.EXCLUSIVE:
+            return {}
+        return {token.name: self.host.screen(token) for token in tokens}
 
     def _vf_users(self, mode: Mode, tokens: Sequence[TokenSpec]) -> list[DeviceUser]:
         """Who has a node of the tokens' virtual functions open (a VM's /dev/vfio/N, a
@@ -260,6 +269,7 @@ class Arbiter:
         holders = self.host.holders(tokens)
         blockers = {} if in_place else self._blockers(mode, tokens)
         vf_users = self._vf_users(mode, tokens)
+        screens = {} if in_place else self._screens(mode, tokens)
         boot_id = self.host.boot_id()
         alive = claimant_liveness(self.host, seen, boot_id)
         with self.ledger.transaction() as txn:
@@ -281,6 +291,7 @@ class Arbiter:
                 parents=self.tokens.parents(),
                 vf_users=vf_users,
                 in_place=in_place,
+                screens=screens,
             )
             if plan.already_held:
                 own = txn.state.lease_of(claimant)
@@ -387,6 +398,7 @@ class Arbiter:
         return state.with_lease(lease)
 
     def _stop_holders(self, claimant: Claimant, plan: ClaimPlan) -> None:
+        self._tell_sessions(claimant, plan)
         for step in plan.stops:
             self.events.emit(
                 EventKind.STOPPING, claimant=claimant, holder=step.holder, how=step.how
@@ -399,6 +411,28 @@ class Arbiter:
             self.events.emit(
                 EventKind.PREEMPTED, claimant=claimant, holder=step.holder, how=step.how
             )
+
+    def _tell_sessions(self, claimant: Claimant, plan: ClaimPlan) -> None:
+        """Before anything of a screen is stopped: tell the people in its sessions why,
+        and give them `timeouts.screen_grace` (their desktop is still up: a shell that
+        runs as a user unit goes first)."""
+        sessions = [
+            step.holder
+            for step in plan.stops
+            if step.holder.kind is HolderKind.SESSION and self.host.is_running(step.holder)
+        ]
+        if not sessions:
+            return
+        grace = self.config.timeouts.screen_grace
+        message = (
+            f"{', '.join(plan.tokens)} is given to {claimant}: this session ends in "
+            f"{grace:g} s. Save your work; the login screen comes back when {claimant} "
+            "gives the GPU back."
+        )
+        for session in sessions:
+            self.events.emit(EventKind.TOLD, claimant=claimant, holder=session, seconds=grace)
+        self.host.tell(sessions, message)
+        time.sleep(grace)
 
     def _record_stop(self, claimant: Claimant, holder: Claimant, step: StepState) -> None:
         with self.ledger.transaction() as txn:

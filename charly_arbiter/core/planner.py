@@ -11,8 +11,16 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from charly_arbiter.core.events import a_or_an
-from charly_arbiter.core.host import NO_DRIVER, Blocker, DeviceUser, Holder, TokenSpec
+from charly_arbiter.core.host import (
+    NO_DRIVER,
+    Blocker,
+    DeviceUser,
+    Holder,
+    ScreenUse,
+    TokenSpec,
+)
 from charly_arbiter.core.model import (
+    SCREEN_KINDS,
     VFIO,
     Claimant,
     HolderKind,
@@ -20,10 +28,12 @@ from charly_arbiter.core.model import (
     LeaseState,
     LedgerState,
     Mode,
+    ScreenPolicy,
     StepState,
     StoppedHolder,
     blocks_token,
     human_time,
+    user_unit,
 )
 from charly_arbiter.core.vfs import refuse_by_relation
 from charly_arbiter.core.vgpu import vgpu_target_of
@@ -180,6 +190,7 @@ def decide_claim(
     parents: Mapping[str, str] | None = None,
     vf_users: Sequence[DeviceUser] = (),
     in_place: bool = False,
+    screens: Mapping[str, ScreenUse] | None = None,
 ) -> ClaimPlan:
     """Decide a claim, or raise the `ClaimRefused` that says why it cannot be had.
 
@@ -196,7 +207,9 @@ def decide_claim(
     whose VFs are in use, and a claim on a VF whose PF is held exclusively.
     `in_place` is an exclusive claim that leaves the GPU on its driver (the
     arbiter's own MIG change): it stops every holder, as any exclusive claim
-    does, and switches nothing.
+    does, and switches nothing.  `screens` say who uses each token's screen: an
+    exclusive claim on a token with `screen = "release"` stops them too
+    (`screen_stops`).
     """
     names = tuple(token.name for token in tokens)
     for token in tokens:
@@ -316,8 +329,9 @@ def decide_claim(
                 hint=f"bring it home first ({cli_command('status')} shows what holds it)",
             )
     if mode is Mode.EXCLUSIVE:
+        holders, screen = screen_stops(tokens, {} if in_place else screens or {}, holders)
         plan = _decide_exclusive(
-            ledger, claimant, tokens, holders, stranded, transient, policy, vgpu_targets
+            ledger, claimant, tokens, holders, stranded, transient, policy, vgpu_targets, screen
         )
         return replace(plan, switches=()) if in_place else plan
     return _decide_shared(ledger, claimant, tokens, holders, transient, policy)
@@ -332,6 +346,7 @@ def _decide_exclusive(
     transient: bool,
     policy: Policy,
     in_place: Mapping[str, str],
+    screen: Sequence[StopStep] = (),
 ) -> ClaimPlan:
     names = tuple(token.name for token in tokens)
     preempted: dict[Claimant, tuple[str, ...]] = {}
@@ -380,6 +395,7 @@ def _decide_exclusive(
         token = next(t for t in tokens if t.name in shared_tokens)
         _refuse_by_policy(ref, "", claimant, token, policy)
         stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens, shared_tokens))
+    stops.extend(screen)  # last: the desktop stays up while the rest is stopped
 
     _refuse_stops_being_started(ledger, claimant, stops, tokens, stranded)
     # To vfio-pci; an NVIDIA vGPU VF stays on its driver and gets its type (`in_place`).
@@ -402,6 +418,64 @@ def _decide_exclusive(
         taken_over=tuple((lease, record.holder) for lease, record in taken_over),
         homes={token.name: home_map(ledger, token) for token in tokens},
     )
+
+
+SCREEN_HOW = {
+    HolderKind.SYSTEMD_USER: "systemctl --user stop",
+    HolderKind.SESSION: "told why, then loginctl terminate-session",
+    HolderKind.DISPLAY_MANAGER: "systemctl stop",
+}
+
+
+def screen_stops(
+    tokens: Sequence[TokenSpec], screens: Mapping[str, ScreenUse], holders: Sequence[Holder]
+) -> tuple[list[Holder], list[StopStep]]:
+    """What an exclusive claim stops to free the screens of its tokens that have
+    `screen = "release"`, and the holders left once those are taken out.
+
+    In order: the user units of the sessions' users that hold the GPU (a desktop's
+    shell may run as one, outside its session's scope), the sessions on it, the
+    display manager that opened them (`display-manager:UNIT`); each is recorded in
+    the lease before anything is stopped.  The screen's processes go with their
+    session or unit: their process holders are left out, and so is the display
+    manager listed as a systemd holder (it is stopped, and started again, once).
+    A screen driven by the boot display or the framebuffer console alone stops
+    nothing: the host releases the console at the switch."""
+    stops: dict[Claimant, tuple[str, ...]] = {}
+    freed_pids: set[str] = set()
+    freed_units: set[str] = set()
+    for token in tokens:
+        use = screens.get(token.name)
+        if token.screen is not ScreenPolicy.RELEASE or use is None or not use.drives_screen:
+            continue
+        found: list[Claimant] = []
+        for process in use.processes:
+            unit = process.unit or ""
+            if unit.startswith(f"user@{process.uid}.service/"):
+                found.append(user_unit(process.uid, unit.rsplit("/", 1)[-1]))
+        for text in use.user_units:
+            owner, _, unit = text.partition(": ")
+            uid = owner.removeprefix("user@").removesuffix(".service")
+            if unit and uid.isdigit():
+                found.append(user_unit(int(uid), unit.strip()))
+        found += [Claimant.of(HolderKind.SESSION, session.id) for session in use.sessions]
+        managers = [use.display_manager, *(s.display_manager for s in use.sessions)]
+        found += [Claimant.of(HolderKind.DISPLAY_MANAGER, dm) for dm in managers if dm]
+        for ref in found:
+            stops[ref] = tuple(dict.fromkeys((*stops.get(ref, ()), token.name)))
+        freed_pids |= {str(process.pid) for process in use.processes}
+        freed_units |= {dm for dm in managers if dm} | {"display-manager.service"}
+    ordered = sorted(stops, key=lambda ref: SCREEN_KINDS.index(ref.kind))
+    steps = [StopStep(ref, SCREEN_HOW[ref.kind], tokens=stops[ref]) for ref in ordered]
+    if not steps:
+        return list(holders), []
+    left = [
+        holder
+        for holder in holders
+        if not (holder.ref.kind is HolderKind.PROCESS and holder.ref.name in freed_pids)
+        and not (holder.ref.kind is HolderKind.SYSTEMD and holder.ref.name in freed_units)
+    ]
+    return left, steps
 
 
 def _take_over_pending_restarts(
