@@ -11,8 +11,8 @@ from charly_arbiter.core.config import LISTED_KINDS, load_config
 from charly_arbiter.core.events import EventKind, describe
 from charly_arbiter.core.model import (
     CLAIMANT_KINDS,
-    SCREEN_KINDS,
     KINDS,
+    SCREEN_KINDS,
     Claimant,
     ConsolePolicy,
     HolderKind,

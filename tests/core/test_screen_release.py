@@ -27,14 +27,13 @@ from charly_arbiter.core.host import (
 )
 from charly_arbiter.core.model import (
     Claimant,
-    HolderKind,
     LeaseState,
+    LedgerState,
     Mode,
     ScreenPolicy,
     StepState,
 )
 from charly_arbiter.core.planner import decide_claim, screen_stops
-from charly_arbiter.core.model import LedgerState
 
 GPU0, AUDIO0, GPU1 = "0000:0a:00.0", "0000:0a:00.1", "0000:0b:00.0"
 DM = "display-manager:gdm.service"
@@ -204,7 +203,7 @@ def test_a_claim_tells_the_session_then_stops_its_desktop_in_order(desk):
     assert [(str(r.holder), r.state) for r in lease.stopped][1:] == [
         (ref, StepState.DONE) for ref in SCREEN
     ]
-    assert [e["event"] for e in history(desk) if e.get("holder") == SESSION][0] == "told"
+    assert next(e["event"] for e in history(desk) if e.get("holder") == SESSION) == "told"
 
 
 def test_the_release_gives_the_display_manager_back_not_the_session(desk):
