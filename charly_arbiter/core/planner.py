@@ -438,7 +438,8 @@ def screen_stops(
     display manager that opened them (`display-manager:UNIT`); each is recorded in
     the lease before anything is stopped.  The screen's processes go with their
     session or unit: their process holders are left out, and so is the display
-    manager listed as a systemd holder (it is stopped, and started again, once).
+    manager listed as a systemd holder of these GPUs (it is stopped, and started
+    again, once).
     A screen driven by the boot display or the framebuffer console alone stops
     nothing: the host releases the console at the switch."""
     stops: dict[Claimant, tuple[str, ...]] = {}
@@ -469,11 +470,16 @@ def screen_stops(
     steps = [StopStep(ref, SCREEN_HOW[ref.kind], tokens=stops[ref]) for ref in ordered]
     if not steps:
         return list(holders), []
+    released = {token for ref in ordered for token in stops[ref]}
     left = [
         holder
         for holder in holders
         if not (holder.ref.kind is HolderKind.PROCESS and holder.ref.name in freed_pids)
-        and not (holder.ref.kind is HolderKind.SYSTEMD and holder.ref.name in freed_units)
+        and not (
+            holder.ref.kind is HolderKind.SYSTEMD
+            and holder.ref.name in freed_units
+            and set(holder.tokens) <= released  # (the alias on another GPU is another's)
+        )
     ]
     return left, steps
 

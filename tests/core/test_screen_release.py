@@ -299,3 +299,13 @@ def test_kill_9_at_every_step_then_restore_gives_the_desktop_back(desk, scenario
     # The session ran on unless the claim had got as far as ending it.
     stopped = f"stop {SESSION}" in log_of(desk)
     assert running(desk, SESSION) is not stopped
+
+
+def test_a_display_manager_listed_for_another_gpu_stays_a_holder_of_that_gpu() -> None:
+    """Found by the state machine: `systemd:display-manager.service` listed for gpu1 is
+    not gpu0's display manager, whatever its name; a claim on both stops it as a holder
+    of gpu1."""
+    other = Holder(Claimant.parse("systemd:display-manager.service"), ("gpu1",), True, True)
+    gpu1 = TokenSpec("gpu1", GPU1, (PciFunction(GPU1, "10de", "2204", "030000", "nvidia", "13"),))
+    left, steps = screen_stops([spec(), gpu1], {"gpu0": desktop_use()}, [other])
+    assert left == [other] and [str(step.holder) for step in steps] == list(SCREEN)

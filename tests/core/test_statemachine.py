@@ -55,7 +55,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from invariants import assert_converged, assert_invariants, sim_facts
-from simhosts import PF, VF0, VF1, audio, gpu, holder, host, sriov_pf, sriov_tokens
+from simhosts import PF, VF0, VF1, audio, desktop, gpu, holder, host, sriov_pf, sriov_tokens
 
 from charly_arbiter.core import crashpoints
 from charly_arbiter.core.arbiter import Arbiter
@@ -92,7 +92,15 @@ HOLDERS = {
     "libvirt:vm": "gpu1",
 }
 PASSTHROUGH = frozenset({"libvirt:vm"})
-REFS = (*HOLDERS, *CLAIMANTS)
+# gpu0 draws a desktop and is released by policy (`screen = "release"`): an exclusive
+# claim on it stops its user unit, its session and its display manager (after the
+# rest); the release starts the display manager again once gpu0 is home (it waits
+# while gpu0 is held on vfio-pci or poisoned), the user unit too, never the session.
+DM = "display-manager:gdm.service"
+SESSION = "session:3"
+SHELL = "systemd-user:1000/org.gnome.Shell@wayland.service"
+SCREEN = {SHELL: "gpu0", SESSION: "gpu0", DM: "gpu0"}
+REFS = (*HOLDERS, *SCREEN, *CLAIMANTS)
 EVERY_CLAIMANT = (*CLAIMANTS, SHARER)
 # An SR-IOV physical function (pf, a token configured for 2 VFs) and its first VF (vf0, a
 # token of its own while it exists): a VF's lease is a use of its PF (core/vfs.py).
@@ -128,8 +136,11 @@ driver_switch = 2
 # A claimant that does not run is stranded at once (timestamps have whole seconds).
 claim_grace = 1e-9
 
+screen_grace = 1e-9
+
 [tokens.gpu0]
 address = "0000:0a:00.0"
+screen = "release"
 
 [tokens.gpu1]
 address = "0000:0b:00.0"
@@ -149,6 +160,7 @@ class Faults:
     fail_stop: frozenset[str] = frozenset()
     fail_start: frozenset[str] = frozenset()
     rigid: frozenset[str] = frozenset()  # holders that are not preemptible
+    dm_fails: bool = False  # the desktop's display manager does not come up
 
     def switch_fails(self, token: str) -> bool:
         return any(address in TOKEN_FUNCTIONS[token] for address, _ in self.switch)
@@ -177,6 +189,7 @@ class Faults:
                 )
                 for ref in HOLDERS
             ),
+            desktop("0000:0a:00.0", extra="fail_start = true" if self.dm_fails else ""),
         )
 
 
@@ -517,7 +530,13 @@ def decide(
                 holding.add("stranded")
             elif elsewhere.state is not ACTIVE:
                 holding.add("holder-busy")
-        stopping = [ref for ref in running if ref not in names] + sorted(names)
+        # The desktop on gpu0 (seen while gpu0 is on its driver), stopped after the rest.
+        screen = [
+            ref
+            for ref, token in SCREEN.items()
+            if token in tokens and token not in world.vfio and world.running(ref)
+        ]
+        stopping = [ref for ref in running if ref not in names] + sorted(names) + screen
         if being_started(world, claimant, stopping):
             holding.add("starting")
         if holding:
@@ -531,6 +550,7 @@ def decide(
             else:  # a holder of these tokens, sharing another: it stays out of both
                 used = tuple(dict.fromkeys((HOLDERS[lease.claimant], *lease.tokens)))
                 stops.append(Rec(lease.claimant, used, lease.tokens))
+        stops += [Rec(ref, (SCREEN[ref],)) for ref in screen]
         return Plan(
             stops=tuple(stops),
             preempted=tuple(sorted(names)),
@@ -726,6 +746,10 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
     world = run.world
     lease = current(run, claimant)
     others = [other for other in world.leases if other.claimant != claimant]
+    if record.holder == SESSION:
+        # A session is never started again (its display manager's login screen is).
+        run.put(lease.without_record(record.holder))
+        return
     # Where an exclusive lease now holds one of its tokens, the holder stays
     # stopped and that lease brings it back.  For a preempted shared claimant
     # that is I1 (its lease may not come back beside an exclusive one): any
@@ -751,6 +775,9 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
             world = world.put(heir.with_record(replace(record, starting=False)))
         run.set(world.put(current_of(world, claimant).without_record(record.holder)))
         return
+    if record.holder == DM and any(lease.holds(t) or t in world.poisoned for t in uses(record)):
+        # A display manager waits for its GPU (started without it, it would only fail).
+        return
     if any(r.holder == record.holder for other in others for r in other.records):
         # Another lease stopped it too; that one brings it back.
         run.put(current(run, claimant).without_record(record.holder))
@@ -758,7 +785,8 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
     run.put(current(run, claimant).with_record(replace(record, starting=True)))
     run.mark("release.start")
     if not run.world.running(record.holder):
-        if record.holder in run.faults.fail_start:
+        fails = record.holder == DM and run.faults.dm_fails
+        if record.holder in run.faults.fail_start or fails:
             run.put(current(run, claimant).with_record(replace(record, starting=False)))
             return
         run.set(run.world.with_running(record.holder, True))
@@ -960,6 +988,8 @@ FAULT_CHANGES = (
         for fault in (None, *SWITCH_FAULTS)
     ),
     *((kind, ref, on) for kind in HOLDER_FAULTS for ref in HOLDERS for on in (False, True)),
+    ("dm_fails", DM, False),
+    ("dm_fails", DM, True),
 )
 
 
@@ -1237,7 +1267,7 @@ class ArbiterMachine(RuleBasedStateMachine):
         for claimant in CLAIMANTS:
             self.host.set_running(claimant, False)
         self.gone.update(CLAIMANTS)
-        self.gone -= set(HOLDERS)
+        self.gone -= {*HOLDERS, *SCREEN}
         # The VFs are gone with the old boot (the reconcile unit makes them again).
         self.change(
             lambda world: replace(
@@ -1251,7 +1281,9 @@ class ArbiterMachine(RuleBasedStateMachine):
         """Switch one fault of host.toml on or off; the simulated host reads it anew."""
         kind, target, value = change
         faults = self.faults
-        if kind == "switch":
+        if kind == "dm_fails":
+            faults = replace(faults, dm_fails=bool(value))
+        elif kind == "switch":
             switch = [item for item in faults.switch if item[0] != target]
             if value is not None:
                 switch.append((target, str(value)))
@@ -1271,7 +1303,9 @@ class ArbiterMachine(RuleBasedStateMachine):
         self.steps_since_gone = 0
         # Holders can be started again (the operator fixed them); a GPU whose
         # switch fails ends poisoned, which I5 allows.
-        self.faults = replace(self.faults, fail_stop=frozenset(), fail_start=frozenset())
+        self.faults = replace(
+            self.faults, fail_stop=frozenset(), fail_start=frozenset(), dm_fails=False
+        )
         self._write_host()
         # Restoring a lease starts the shared claimants it preempted again, with
         # their leases: they are alive again.  Everyone dies again until no lease
@@ -1283,7 +1317,8 @@ class ArbiterMachine(RuleBasedStateMachine):
             if not self.view().leases:
                 break
         state = self.ledger.read()
-        assert_converged(state, self.facts(), HOME, tuple(HOLDERS))
+        # (The desktop's display manager runs again; its session is gone for good.)
+        assert_converged(state, self.facts(), HOME, (*HOLDERS, SHELL, DM))
         before = (ledger_bytes(self.ledger.state_dir), self.host.snapshot())
         assert self.step("restore again", self.real_restore, model_restore) == ("restored", ())
         after = (ledger_bytes(self.ledger.state_dir), self.host.snapshot())
@@ -1292,7 +1327,8 @@ class ArbiterMachine(RuleBasedStateMachine):
     # -- after every step ----------------------------------------------------------------------
 
     def facts(self) -> Any:
-        expected = set(REFS) - self.gone
+        # A session ended for a claim is gone for good: I3 expects it nowhere.
+        expected = set(REFS) - self.gone - {SESSION}
         snapshot = self.host.snapshot()
         # A claimant the simulated host was never told about counts as running.
         alive = snapshot["unknown_alive"]
