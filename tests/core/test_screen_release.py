@@ -10,6 +10,7 @@ display manager that fails to come up); crashes are real kill -9s of the CLI."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 
 import pytest
@@ -309,3 +310,24 @@ def test_a_display_manager_listed_for_another_gpu_stays_a_holder_of_that_gpu() -
     gpu1 = TokenSpec("gpu1", GPU1, (PciFunction(GPU1, "10de", "2204", "030000", "nvidia", "13"),))
     left, steps = screen_stops([spec(), gpu1], {"gpu0": desktop_use()}, [other])
     assert left == [other] and [str(step.holder) for step in steps] == list(SCREEN)
+
+
+def test_a_nested_hook_stops_no_screen() -> None:
+    """The arbiter starting a VM again (its hook nested in a release) never stops a
+    holder, a desktop included: the claim is refused by its policy."""
+    from charly_arbiter.core.model import SCREEN_KINDS
+    from charly_arbiter.core.planner import Policy
+    from charly_arbiter.errors import ClaimRefused
+
+    nested = Policy(refuse_kinds=frozenset(SCREEN_KINDS), refuse_hint="stop {holder} first")
+    with pytest.raises(ClaimRefused, match=re.escape(SHELL)):
+        decide_claim(
+            LedgerState(),
+            Claimant.parse("libvirt:win11"),
+            Mode.EXCLUSIVE,
+            [spec()],
+            [],
+            frozenset(),
+            policy=nested,
+            screens={"gpu0": desktop_use()},
+        )
