@@ -465,7 +465,7 @@ def decide_comeback(
         return None
     record = pending[0]
     if record.holder.kind is HolderKind.SESSION:
-        why = "a session is not started again: the display manager's login screen takes its place"
+        why = "a session cannot be resurrected; the display manager's login screen takes its place"
         return Comeback(claimant, record, ComebackWay.ENDED, why=why)
     heir = _exclusive_heir(state, claimant, record)
     if heir is not None:

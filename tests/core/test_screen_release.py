@@ -331,3 +331,15 @@ def test_a_nested_hook_stops_no_screen() -> None:
             policy=nested,
             screens={"gpu0": desktop_use()},
         )
+
+
+def test_plan_release_says_what_comes_back_and_what_does_not(desk):
+    desk.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", check=True)
+    desk.stopped("libvirt:win11")
+    words = desk.cli("plan", "--release", "libvirt:win11", check=True).stdout
+    assert (
+        f"start {DM} again, and check that it draws on its GPU (else a text login on the "
+        "console)" in words
+    )
+    assert f"{SESSION} is not started again: a session cannot be resurrected; the" in words
+    assert words.index(f"start {DM}") < words.index(SESSION) < words.index(f"start {SHELL}")
