@@ -395,6 +395,9 @@ def _decide_exclusive(
         token = next(t for t in tokens if t.name in shared_tokens)
         _refuse_by_policy(ref, "", claimant, token, policy)
         stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens, shared_tokens))
+    for step in screen:  # (a nested hook's policy stops no screen either)
+        token = next(t for t in tokens if t.name in step.tokens)
+        _refuse_by_policy(step.holder, "", claimant, token, policy)
     stops.extend(screen)  # last: the desktop stays up while the rest is stopped
 
     _refuse_stops_being_started(ledger, claimant, stops, tokens, stranded)

@@ -447,10 +447,12 @@ def decide_comeback(
     - A preempted shared claimant whose GPU this very lease still holds on
       vfio-pci (its way home failed) cannot have its lease back beside it: it
       stays stopped, the record with it, for `restore` (WAIT).
-    - A display manager whose GPU is not home (this lease still holds it on
-      vfio-pci: its way home failed; or it is poisoned) waits for it (WAIT): started
-      without its card it would only fail, and restart in a loop.  The lease stays
-      for `restore`, which starts it once the GPU is home.
+    - A display manager whose GPU this lease still holds (its way home failed, and
+      it is still on vfio-pci) waits for it (WAIT): started without its card it
+      would only fail.  The lease stays for `restore`, which sends the GPU home, or
+      lets go of it poisoned (an operator's to look at), and then starts it, as
+      any holder comes back beside a poisoned GPU; one that does not come up then
+      ends on a text login (the host's start says so).
     - Another lease stopped it too (a ledger written before each holder was
       recorded once): that one brings it back (LEFT).
     - Otherwise it is started now (START): its record turns STARTING first,
@@ -520,16 +522,11 @@ def apply_start_failed(state: LedgerState, comeback: Comeback) -> LedgerState:
 
 
 def screen_not_home(state: LedgerState, lease: Lease, record: StoppedHolder) -> tuple[str, ...]:
-    """For a display manager's record: the tokens it drew on that are not home, because
-    `lease` still holds them (on vfio-pci) or they are poisoned (left where a switch
-    failed).  Empty for any other holder."""
+    """For a display manager's record: the tokens it drew on that `lease` still holds
+    (on vfio-pci: their way home failed).  Empty for any other holder."""
     if record.holder.kind is not HolderKind.DISPLAY_MANAGER:
         return ()
-    return tuple(
-        token
-        for token in _uses(record) or lease.tokens
-        if blocks_token(lease, token) or state.poison_of(token) is not None
-    )
+    return tuple(token for token in _uses(record) or lease.tokens if blocks_token(lease, token))
 
 
 def _uses(record: StoppedHolder) -> tuple[str, ...]:

@@ -391,16 +391,9 @@ def check_release(case: Case, claimant: Claimant, takeover: ProcessRef | None) -
     )
     assert walked == projected, where
     # Nothing else happening, every release ends: the lease goes, every token it
-    # sent home is home; but a display manager whose GPU is poisoned (left on vfio-pci
-    # where a switch failed) waits for it, and the lease stays, writer-less, for it.
-    waiting = [c for _, c in done.comebacks if c.way is ComebackWay.WAIT]
-    assert all(c.record.holder == D for c in waiting), where
-    if waiting:
-        kept = done.final.lease_of(claimant)
-        assert kept is not None and kept.owner is None and done.end is End.INCOMPLETE, where
-        assert any(done.final.poison_of(t) for t in uses(waiting[0].record)), where
-    else:
-        assert done.final.lease_of(claimant) is None, (where, done.final)
+    # sent home is home.
+    assert done.final.lease_of(claimant) is None, (where, done.final)
+    assert not any(c.way is ComebackWay.WAIT for _, c in done.comebacks), where
     walks = 1
     faults = []
     if any(step.way is HomeWay.SWITCH for step in plan.homes):
@@ -416,14 +409,8 @@ def check_release(case: Case, claimant: Claimant, takeover: ProcessRef | None) -
         assert failed.end is End.INCOMPLETE, (where, fault)
         kept = failed.final.lease_of(claimant)
         assert kept is not None and kept.owner is None, (where, fault)
-        # ... and `restore`, the fault mended, finishes it (a display manager's GPU
-        # checked by an operator, home and its poison cleared: it waits for that).
+        # ... and `restore`, the fault mended, finishes it.
         _, last, vfio, running = failed.states[-1]
-        if any(r.holder == D for x in last.leases for r in x.unrestored()):
-            mended = {t for t, _ in last.poisoned}
-            for token in mended:
-                last = last.with_poison(token, None)
-            vfio = frozenset(vfio - mended)
         after = Case(last, vfio, running)
         again = decide_release(last, claimant, after.tokens(), me=ME, boot_id=BOOT)
         assert again is not None
@@ -533,9 +520,7 @@ def check_comebacks(plan: ReleasePlan, done: Walk, where: str) -> None:
             for o in others(state, plan.claimant)
             if any(r.holder == record.holder for r in o.unrestored())
         ]
-        away = record.holder == D and any(
-            blocks_token(lease, t) or state.poison_of(t) is not None for t in uses(record)
-        )
+        away = record.holder == D and any(blocks_token(lease, t) for t in uses(record))
         if record.holder == X:
             # A session is never started again, whoever holds its GPU now.
             assert comeback.way is ComebackWay.ENDED, where

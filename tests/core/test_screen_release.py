@@ -268,6 +268,11 @@ def test_a_display_manager_waits_for_a_gpu_that_did_not_come_home(desk):
     assert lease is not None and DM in [str(r.holder) for r in lease.unrestored()]
     words = desk.cli("explain", "libvirt:win11").stdout
     assert "the display manager gdm.service waits for gpu0, which did not come home" in words, words
+    # `restore` lets go of gpu0 poisoned (an operator's to look at) and starts the
+    # display manager all the same, as any holder comes back beside a poisoned GPU.
+    assert desk.cli("restore", "--stranded").returncode == 0
+    assert running(desk, DM) and arbiter.ledger.read().leases == ()
+    assert arbiter.ledger.read().poison_of("gpu0") is not None
 
 
 # -- kill -9 at every step, then restore: the desktop comes back --------------------------------

@@ -61,7 +61,15 @@ from charly_arbiter.core import crashpoints
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import load_config
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import VFIO, LeaseState, LedgerState, Mode, ProcessRef, StepState
+from charly_arbiter.core.model import (
+    VFIO,
+    Claimant,
+    LeaseState,
+    LedgerState,
+    Mode,
+    ProcessRef,
+    StepState,
+)
 from charly_arbiter.core.vfcount import set_vf_count
 from charly_arbiter.errors import (
     ClaimantRunning,
@@ -775,8 +783,9 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
             world = world.put(heir.with_record(replace(record, starting=False)))
         run.set(world.put(current_of(world, claimant).without_record(record.holder)))
         return
-    if record.holder == DM and any(lease.holds(t) or t in world.poisoned for t in uses(record)):
-        # A display manager waits for its GPU (started without it, it would only fail).
+    if record.holder == DM and any(lease.holds(t) for t in uses(record)):
+        # A display manager waits for the GPU this lease still holds (its way home
+        # failed); once restore lets go of it poisoned, it is started all the same.
         return
     if any(r.holder == record.holder for other in others for r in other.records):
         # Another lease stopped it too; that one brings it back.
@@ -1404,6 +1413,23 @@ def test_a_claimant_of_two_gpus_whose_exclusive_release_fails_on_one() -> None:
         back = state.lease_of(SHARER)
         assert back is not None and back.tokens == ("gpu1",), state.leases
         assert state.poison_of("gpu0") is not None
+    finally:
+        machine.teardown()
+
+
+def test_a_desktops_gpu_that_hangs_on_its_way_home_then_everyone_gone() -> None:
+    """Found by the machine: gpu0's way home hangs (poisoned on vfio-pci), so its display
+    manager waits; once everyone is gone, `restore` lets go of gpu0 poisoned and starts
+    the display manager all the same: no lease is left (I5)."""
+    machine = ArbiterMachine()
+    try:
+        machine.claim("libvirt:a", EXCLUSIVE, ("gpu0",))
+        machine.fault(("switch", "0000:0a:00.1", "hang_switch"))
+        machine.steps_since_gone = 8
+        machine.everyone_gone_then_restore_twice()
+        state = machine.ledger.read()
+        assert state.leases == () and state.poison_of("gpu0") is not None
+        assert machine.host.is_running(Claimant.parse(DM))
     finally:
         machine.teardown()
 
