@@ -197,3 +197,13 @@ def test_a_session_is_told_why_through_its_users_bus_and_a_refusal_is_only_logge
     holders.tell([SESSION, Claimant.parse("session:99")], "why")  # 99: no such session
     assert len(systemd.ran) == 2
     assert "session:3 could not be told why" in caplog.text
+
+
+def test_a_closing_session_still_runs_until_logind_lets_it_go(desk):
+    """Its compositor may still be dying with the card open: the stop waits it out."""
+    holders, systemd = desk
+    path = holders.roots.run / "systemd" / "sessions" / "3"
+    path.write_text("UID=1000\nSTATE=closing\n")
+    assert holders.is_running(SESSION)
+    path.unlink()
+    assert not holders.is_running(SESSION)

@@ -76,8 +76,9 @@ class DesktopHolders:
     def is_running(self, ref: Claimant) -> bool:
         kind, name = ref.kind, ref.name
         if kind is HolderKind.SESSION:
-            state = self._session_field(name, "STATE")
-            return state is not None and state != "closing"
+            # Until logind lets it go: a closing session may still have a compositor
+            # dying with the card open, which would block the GPU's unbind.
+            return self._session_field(name, "STATE") is not None
         if kind is HolderKind.SYSTEMD_USER:
             uid, unit = _user_unit(ref)
             return self._manager_runs(uid) and self._active(unit, user=uid)
