@@ -201,7 +201,7 @@ def test_a_session_is_told_why_through_its_users_bus_and_a_refusal_is_only_logge
 
 def test_a_closing_session_still_runs_until_logind_lets_it_go(desk):
     """Its compositor may still be dying with the card open: the stop waits it out."""
-    holders, systemd = desk
+    holders, _ = desk
     path = holders.roots.run / "systemd" / "sessions" / "3"
     path.write_text("UID=1000\nSTATE=closing\n")
     assert holders.is_running(SESSION)
