@@ -101,13 +101,14 @@ HOLDERS = {
 }
 PASSTHROUGH = frozenset({"libvirt:vm"})
 # gpu0 draws a desktop and is released by policy (`screen = "release"`): an exclusive
-# claim on it stops its user unit, its session and its display manager (after the
-# rest); the release starts the display manager again once gpu0 is home (it waits
-# while gpu0 is held on vfio-pci or poisoned), the user unit too, never the session.
+# claim on it stops its session and its display manager (after the rest); the release
+# starts the display manager again once gpu0 is home (it waits while its lease holds
+# gpu0 on vfio-pci), never the session.  (A user unit is one more holder that comes
+# back as any does: left to the other tests, since every holder more multiplies the
+# orders the model explores.)
 DM = "display-manager:gdm.service"
 SESSION = "session:3"
-SHELL = "systemd-user:1000/org.gnome.Shell@wayland.service"
-SCREEN = {SHELL: "gpu0", SESSION: "gpu0", DM: "gpu0"}
+SCREEN = {SESSION: "gpu0", DM: "gpu0"}
 REFS = (*HOLDERS, *SCREEN, *CLAIMANTS)
 EVERY_CLAIMANT = (*CLAIMANTS, SHARER)
 # An SR-IOV physical function (pf, a token configured for 2 VFs) and its first VF (vf0, a
@@ -197,7 +198,11 @@ class Faults:
                 )
                 for ref in HOLDERS
             ),
-            desktop("0000:0a:00.0", extra="fail_start = true" if self.dm_fails else ""),
+            desktop(
+                "0000:0a:00.0",
+                user_units=(),
+                extra="fail_start = true" if self.dm_fails else "",
+            ),
         )
 
 
@@ -1327,7 +1332,7 @@ class ArbiterMachine(RuleBasedStateMachine):
                 break
         state = self.ledger.read()
         # (The desktop's display manager runs again; its session is gone for good.)
-        assert_converged(state, self.facts(), HOME, (*HOLDERS, SHELL, DM))
+        assert_converged(state, self.facts(), HOME, (*HOLDERS, DM))
         before = (ledger_bytes(self.ledger.state_dir), self.host.snapshot())
         assert self.step("restore again", self.real_restore, model_restore) == ("restored", ())
         after = (ledger_bytes(self.ledger.state_dir), self.host.snapshot())
