@@ -162,7 +162,12 @@ class SimHost:
             "drivers": {d["address"]: d.get("driver", "") for d in self._devices()},
             "running": {
                 **{_ref(h): bool(h.get("running", False)) for h in self._holder_specs()},
-                **{ref: True for screen in self._screens() for ref in _screen_refs(screen)},
+                **{
+                    self._unit_of(ref): True
+                    for screen in self._screens()
+                    for ref in _screen_refs(screen)
+                    if self._unit_of(ref) == ref
+                },
             },
             "unknown_alive": True,
             "cdi_generations": 0,
@@ -473,10 +478,23 @@ class SimHost:
     def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         with self._state() as state:
             running, unknown = state["running"], bool(state["unknown_alive"])
-            return {ref: bool(running[ref]) if ref in running else unknown for ref in refs}
+            return {
+                ref: bool(running[unit]) if (unit := self._unit_of(ref)) in running else unknown
+                for ref in refs
+            }
 
     def stop(self, ref: Claimant) -> None:
-        self._set_running(ref, False, "fail_stop", "stop")
+        self._set_running(self._unit_of(ref), False, "fail_stop", "stop")
+
+    def _unit_of(self, ref: Claimant) -> Claimant:
+        """A display manager host.toml lists as a systemd holder is that holder: one
+        unit, by either name (a `[[sessions]]` entry's display manager)."""
+        ref = Claimant.parse(ref)
+        if ref.kind is HolderKind.DISPLAY_MANAGER:
+            unit = Claimant.of(HolderKind.SYSTEMD, ref.name)
+            if self._spec(unit) is not None:
+                return unit
+        return ref
 
     def start(self, ref: Claimant) -> None:
         if Claimant.parse(ref).kind in SCREEN_KINDS:
@@ -525,6 +543,16 @@ class SimHost:
         session's compositor, each running user unit's process (its card held)."""
         with self._state() as state:
             running = dict(state["running"])
+        # A session the arbiter ended is gone, whoever describes it (`[[sessions]]` too).
+        ended = {
+            s.id for s in use.sessions if not running.get(f"{HolderKind.SESSION}:{s.id}", True)
+        }
+        if ended:
+            use = replace(
+                use,
+                sessions=tuple(s for s in use.sessions if s.id not in ended),
+                processes=tuple(p for p in use.processes if p.session not in ended),
+            )
         processes: list[ScreenProcess] = []
         sessions: list[ScreenSession] = []
         manager = None
@@ -533,7 +561,9 @@ class SimHost:
             if screen.get("address") not in home:
                 continue
             unit = str(screen["display_manager"])
-            dm_runs = running.get(str(Claimant.of(HolderKind.DISPLAY_MANAGER, unit)), False)
+            dm_runs = running.get(
+                str(self._unit_of(Claimant.of(HolderKind.DISPLAY_MANAGER, unit))), False
+            )
             pid = 4000 + 100 * self._screens().index(screen)
             live = [
                 item
@@ -604,10 +634,13 @@ class SimHost:
         if ref.kind is HolderKind.SESSION:
             log.info("%s is a session: a session is not started again", ref)
             return
-        if ref.kind is HolderKind.DISPLAY_MANAGER and screen and screen.get("fail_start"):
+        unit = self._unit_of(ref)
+        listed = self._spec(unit) if unit != ref else None
+        failing = (screen or {}).get("fail_start") or (listed or {}).get("fail_start")
+        if ref.kind is HolderKind.DISPLAY_MANAGER and failing:
             getty = "systemd:getty@tty1.service"
             with self._state() as state:
-                state["running"][ref] = False
+                state["running"][unit] = False
                 state["running"][getty] = True
                 state["log"] += [f"start {ref} failed", f"reset-failed {ref}", f"start {getty}"]
             raise DisplayManagerFailed(
@@ -620,7 +653,9 @@ class SimHost:
                 ),
                 "tty1",
             )
-        self._set_running(ref, True, "fail_start", "start")
+        with self._state() as state:
+            state["running"][unit] = True
+            state["log"].append(f"start {ref}")
 
     def tell(self, sessions: Sequence[Claimant], message: str) -> None:
         with self._state() as state:

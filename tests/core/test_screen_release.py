@@ -348,3 +348,20 @@ def test_plan_release_says_what_comes_back_and_what_does_not(desk):
     )
     assert f"{SESSION} is not started again: a session cannot be resurrected; the" in words
     assert words.index(f"start {DM}") < words.index(SESSION) < words.index(f"start {SHELL}")
+
+
+def test_a_display_manager_listed_as_a_systemd_holder_is_one_unit(make_sim):
+    """The simulated host's display manager may be a listed systemd holder (as the
+    `[[sessions]]` of issue 19's detection have it): stopped and started by either name,
+    it is one unit, stopped once for the claim and back after its release."""
+    listed = holder("systemd", "gdm.service", ["gpu0"], preemptible=True)
+    sim = make_sim(host=HOST + listed, config=CONFIG)
+    arbiter = build_arbiter(load_config(sim.config_path, environ={}))
+    plan = arbiter.acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
+    assert [str(step.holder) for step in plan.stops][-1] == DM
+    assert "systemd:gdm.service" not in [str(step.holder) for step in plan.stops]
+    assert not running(sim, "systemd:gdm.service")
+    sim.stopped("libvirt:win11")
+    arbiter.release_claimant("libvirt:win11")
+    assert running(sim, "systemd:gdm.service")
+    assert arbiter.ledger.read().leases == ()
