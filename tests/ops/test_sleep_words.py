@@ -4,6 +4,8 @@ the host could not take (no systemd) with what to do, and `sleep = "allow"`."""
 
 from __future__ import annotations
 
+import json
+
 from tests.conftest import DEFAULT_CONFIG
 
 WHY = "gpu0 is passed through to libvirt:win11"
@@ -72,3 +74,26 @@ def test_sleep_allow_is_said_as_the_operator_s_choice(make_sim):
         "Sleep is allowed while it is passed through"
         in sim.cli("explain", "gpu0", check=True).stdout
     )
+
+
+def test_doctor_says_whether_sleep_can_be_blocked(sim, tmp_path):
+    def sleep_check() -> dict[str, str]:
+        result = sim.cli("doctor", "--json", "--hook", str(tmp_path / "absent"))
+        return next(c for c in json.loads(result.stdout)["checks"] if c["name"] == "sleep")
+
+    assert sleep_check()["level"] == "ok"
+    sim.set_host("systemd = false\n" + (sim.sim_dir / "host.toml").read_text())
+    check = sleep_check()
+    assert check["level"] == "warning"
+    assert (
+        "sleep cannot be blocked while a GPU is passed through: systemd is not running"
+        in (check["message"])
+    )
+    assert 'sleep = "allow"' in check["fix"]
+    sim.config_path.write_text('sleep = "allow"\n' + sim.config_path.read_text())
+    assert sleep_check() == {
+        "fix": "",
+        "level": "ok",
+        "message": 'sleep = "allow": the host may suspend while a GPU is passed through',
+        "name": "sleep",
+    }
