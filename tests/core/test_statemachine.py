@@ -1575,6 +1575,29 @@ def test_a_desktops_gpu_that_hangs_on_its_way_home_then_everyone_gone() -> None:
         machine.teardown()
 
 
+def test_gpu1s_desktop_released_by_policy_comes_back_as_its_display_manager() -> None:
+    """gpu1's desktop, released by policy: the claim records and stops session:2 and the
+    display manager by its own name (not as the listed systemd holder); the release
+    starts that unit again, never the session; refused by default."""
+    machine = ArbiterMachine()
+    try:
+        machine.screen(True, False)
+        machine.claim("libvirt:a", EXCLUSIVE, ("gpu1",))
+        assert machine.ledger.read().leases == ()  # refused for the screen
+        machine.screen(True, True)
+        machine.claim("libvirt:a", EXCLUSIVE, ("gpu1",))
+        lease = machine.ledger.read().lease_of("libvirt:a")
+        assert lease is not None
+        assert {str(r.holder) for r in lease.stopped} == {"libvirt:vm", SESSION1, DM1}
+        assert not machine.host.is_running(Claimant.parse(DISPLAY_MANAGER))
+        machine.release("libvirt:a", False, True, False)  # the VM shut down first
+        assert machine.ledger.read().leases == ()
+        assert machine.host.is_running(Claimant.parse(DISPLAY_MANAGER))
+        assert not machine.host.is_running(Claimant.parse(SESSION1))
+    finally:
+        machine.teardown()
+
+
 def test_state_machine() -> None:
     run_state_machine_as_test(ArbiterMachine, settings=machine_settings(60, 30))
 
