@@ -42,6 +42,7 @@ import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,7 @@ SAME_UNIT = {DM1: DISPLAY_MANAGER}
 SESSIONS = frozenset({SESSION, SESSION1})
 MANAGERS = frozenset({DM, DM1})
 REFS = (*HOLDERS, *SCREEN, SESSION1, *CLAIMANTS)
+SCREEN_ORDER = (SESSION, SESSION1, DM, DM1)
 EVERY_CLAIMANT = (*CLAIMANTS, SHARER)
 # An SR-IOV physical function (pf, a token configured for 2 VFs) and its first VF (vf0, a
 # token of its own while it exists): a VF's lease is a use of its PF (core/vfs.py).
@@ -709,7 +711,14 @@ def model_acquire(run: Run, claimant: str, mode: Mode, tokens: tuple[str, ...]) 
     run.set(world.put(lease))
     run.mark("acquire.intent")
     failed = None
-    for stop in run.order(f"stop {claimant}", list(plan.stops)):
+    # The screen's holders are stopped last, in the planner's order (sessions, then
+    # display managers, gpu0's before gpu1's): only the others' order is open.
+    plain = [stop for stop in plan.stops if stop.holder not in SCREEN_ORDER]
+    screen = sorted(
+        (stop for stop in plan.stops if stop.holder in SCREEN_ORDER),
+        key=lambda stop: SCREEN_ORDER.index(stop.holder),
+    )
+    for stop in chain(run.order(f"stop {claimant}", plain), screen):
         run.mark("acquire.stop")
         if run.world.running(stop.holder):
             if SAME_UNIT.get(stop.holder, stop.holder) in run.faults.fail_stop:
@@ -1594,6 +1603,21 @@ def test_gpu1s_desktop_released_by_policy_comes_back_as_its_display_manager() ->
         assert machine.ledger.read().leases == ()
         assert machine.host.is_running(Claimant.parse(DISPLAY_MANAGER))
         assert not machine.host.is_running(Claimant.parse(SESSION1))
+    finally:
+        machine.teardown()
+
+
+def test_a_claim_on_both_desktops_whose_other_holder_does_not_stop() -> None:
+    """Found by the machine: seven holders on the two GPUs, one of which fails to stop,
+    made the model explore more than 5000 orders; the screen's holders are stopped
+    last in the planner's order, so only the others' order is open."""
+    machine = ArbiterMachine()
+    try:
+        machine.screen(True, True)
+        machine.fault(("fail_stop", "libvirt:vm", True))
+        machine.claim("libvirt:a", EXCLUSIVE, ("gpu0", "gpu1"))
+        assert machine.ledger.read().leases == ()  # rolled back
+        assert machine.host.is_running(Claimant.parse(DM))
     finally:
         machine.teardown()
 
