@@ -313,3 +313,17 @@ def test_a_service_holding_the_card_is_a_holder_but_a_kiosk_compositor_is_the_sc
     use = screen(host, "gpu1")
     assert [p.pid for p in use.processes] == [520]
     assert use.display_manager == "kiosk.service"
+
+
+def test_logind_and_pid_1_holding_the_card_for_a_session_are_no_holders(tree):
+    """They hold the session's card for it and let go when it ends; as holders
+    (not preemptible: they cannot be stopped) they refused the real guest's release of
+    its desktop.  The system service that renders on the GPU stays a holder."""
+    kernel, proc, run, host = tree
+    desktop(proc, run, kernel.dev)
+    from charly_arbiter.core.tokens import TokenCatalogue
+
+    token = TokenCatalogue(host.config, host).all()["gpu0"]
+    pids = {h.ref.name for h in host.processes.holders([token])}
+    assert "1" not in pids and "310" not in pids
+    assert {"612", "700", "800"} <= pids
