@@ -173,6 +173,24 @@ class ConsolePolicy(StrEnum):
     RELEASE = "release"
 
 
+class ScreenPolicy(StrEnum):
+    """`screen`: a GPU whose screen someone uses (a display manager, a graphical
+    session, a compositor) is refused, naming them, or they are stopped before it
+    leaves and the display manager started again when it comes home.  `release`
+    implies `console = "release"`."""
+
+    REFUSE = "refuse"
+    RELEASE = "release"
+
+
+class SleepPolicy(StrEnum):
+    """`sleep`: while a GPU is passed through the host may not suspend (a logind
+    inhibitor lock is held), or it may."""
+
+    BLOCK = "block"
+    ALLOW = "allow"
+
+
 def target_label(driver: str) -> str:
     """A switch target as messages and events name it: the driver, or "home" for the
     kernel's own choice (NO_DRIVER, the empty string)."""

@@ -44,6 +44,7 @@ from charly_arbiter.core.host import (
     MigChange,
     MigState,
     PciFunction,
+    ScreenUse,
     TokenSpec,
 )
 from charly_arbiter.core.model import Claimant, ProcessRef
@@ -285,6 +286,9 @@ class Drained:
 
     def device_functions(self, numbers: Sequence[tuple[int, int]]) -> Mapping[tuple[int, int], str]:
         return self.inner.device_functions(numbers)
+
+    def screen(self, token: TokenSpec) -> ScreenUse:
+        return self.inner.screen(token)
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         return self.inner.passthrough_blocker(token)

@@ -21,6 +21,7 @@ from charly_arbiter.core.host import (
     MigChange,
     MigState,
     PciFunction,
+    ScreenUse,
     TokenSpec,
 )
 from charly_arbiter.core.model import Claimant, ProcessRef
@@ -123,6 +124,9 @@ class HybridHost:
             self.real.for_ref(ref).start(ref)
         else:
             self.sim.start(ref)
+
+    def screen(self, token: TokenSpec) -> ScreenUse:
+        return self.sim.screen(token)
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         return self.sim.passthrough_blocker(token)

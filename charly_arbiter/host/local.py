@@ -24,6 +24,7 @@ from charly_arbiter.core.host import (
     MigChange,
     MigState,
     PciFunction,
+    ScreenUse,
     TokenSpec,
     common_blocker,
     vgpu_type_of,
@@ -50,6 +51,7 @@ from charly_arbiter.host.kmod import MODULES_ROOT, KernelModules
 from charly_arbiter.host.nvml import Nvml
 from charly_arbiter.host.pcidata import pci_data
 from charly_arbiter.host.procscan import DeviceNumber, process_alive, process_ref
+from charly_arbiter.host.screen import ScreenReader
 from charly_arbiter.host.sysfs import HOST_ROOTS, SYS_ROOT, Roots, Switcher, Sysfs
 from charly_arbiter.host.sysfs import write_attribute as default_writer
 
@@ -141,6 +143,7 @@ class LocalHost:
             self.switcher.blocking_writer,
             config.timeouts.driver_switch,
         )
+        self.screens = ScreenReader(self.sysfs, roots, self.console)
         self.nvml = Nvml()
         self.mig_error = ""  # why `mig` said None last
         self.processes = ProcessHolders(
@@ -276,6 +279,9 @@ class LocalHost:
                         "nvidia is bound but NVML does not list the GPU (see `dmesg` for NVRM "
                         "errors); try `nvidia-smi -r -i` on it, else reboot the host",
                     )
+
+    def screen(self, token: TokenSpec) -> ScreenUse:
+        return self.screens.of(token)
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         blocker = common_blocker(token)

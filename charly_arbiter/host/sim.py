@@ -43,6 +43,7 @@ from charly_arbiter.core.host import (
     MigInstance,
     MigState,
     PciFunction,
+    ScreenUse,
     Sriov,
     TokenSpec,
     Vgpu,
@@ -479,6 +480,20 @@ class SimHost:
 
     def _spec(self, ref: Claimant) -> dict[str, Any] | None:
         return next((s for s in self._holder_specs() if _ref(s) == ref), None)
+
+    def screen(self, token: TokenSpec) -> ScreenUse:
+        """A device's `boot_vga = true` makes it the boot display, `console = true` puts
+        the framebuffer console on it (while it is on its own driver)."""
+        addresses = {f.address for f in token.functions}
+        with self._state() as state:
+            drivers = dict(state["drivers"])
+        devices = [d for d in self._devices() if d["address"] in addresses]
+        home = [d for d in devices if drivers.get(d["address"]) not in ("", VFIO, None)]
+        return ScreenUse(
+            token.name,
+            boot_vga=any(d.get("boot_vga") for d in devices),
+            fbcon=any(d.get("console") for d in home),
+        )
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         """`iommu = false` or `vfio_pci = false` in host.toml model a host that
