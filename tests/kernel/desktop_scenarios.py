@@ -142,6 +142,22 @@ def desktop_back() -> bool:
     )
 
 
+def screen_use() -> dict[str, Any]:
+    """What the arbiter's local host says of the token's screen (Host.screen), and the
+    words `detect`, `explain` and the refusal use."""
+    from charly_arbiter.compose import open_host, token_catalogue
+    from charly_arbiter.core.config import load_config
+
+    configured = load_config(CONFIG)
+    host = open_host(configured)
+    try:
+        [spec] = token_catalogue(configured).resolve(["gpu"])
+        use = host.screen(spec)
+        return {**use.as_json(), "describe": use.describe()}
+    finally:
+        host.close()
+
+
 def arbiter_locks() -> list[dict[str, Any]]:
     return [lock for lock in sysfacts.inhibitors() if lock.get("who") == "charly-arbiter"]
 
@@ -247,6 +263,11 @@ def scenario_screen_setup(s: Any) -> None:
     sysfacts.start_libvirtd(s.out)
     timed(s, "libvirtd", began)
     step(s, "up")
+    began = time.monotonic()
+    s.out["screen"] = screen_use()
+    timed(s, "screen_use", began)
+    s.out["detect"] = cli("detect")
+    s.out["explain"] = cli("explain", "gpu")
 
 
 def scenario_screen_refused(s: Any) -> None:

@@ -123,6 +123,27 @@ def test_the_desktop_and_a_real_libvirtd_come_up(guest: Run) -> None:
     assert guest.boot(1)["system"]["reached"]["graphical.target"] is not None
 
 
+def test_the_arbiter_sees_the_display_manager_and_the_session_on_the_card(guest: Run) -> None:
+    """Host.screen on real logind: weston's session found by its process on card0, the
+    display manager by the session leader's invocation id (its unit's cgroup is empty:
+    logind moved weston into session-N.scope), fbcon on the framebuffer."""
+    setup = guest.scenario("screen_setup")
+    screen = setup["screen"]
+    up = steps(setup)["up"]
+    [session] = wayland(up)
+    assert screen["display_manager"] == ds.WESTON, screen
+    assert screen["fbcon"] is True and screen["boot_vga"] is False, screen
+    [seen] = screen["sessions"]
+    assert (seen["id"], seen["seat"], seen["type"]) == (session["Id"], "seat0", "wayland"), seen
+    assert str(seen["leader"]) == session["Leader"], (seen, session)
+    assert "weston" in {process["comm"] for process in screen["processes"]}, screen
+    assert screen["describe"].startswith(f"gpu drives seat0: {ds.WESTON}, the wayland session")
+    assert f"(session {session['Id']})" in screen["describe"], screen["describe"]
+    for command in ("detect", "explain"):
+        ok(setup[command])
+        assert ds.WESTON in setup[command]["stdout"], (command, setup[command]["stdout"])
+
+
 # -- (a) refused by default ---------------------------------------------------------------------
 
 
