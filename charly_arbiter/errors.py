@@ -225,6 +225,20 @@ class PassthroughImpossible(ClaimRefused):
         super().__init__(token, claimant, f"this host cannot pass it through: {why}", hint=hint)
 
 
+class ScreenInUse(ClaimRefused):
+    """A GPU someone's screen runs on (a display manager, a graphical session, a
+    compositor), with `screen = "refuse"`: refused before anything is stopped, naming
+    what uses it (`holder`: the display manager, else the compositor) and the people
+    whose sessions would end."""
+
+    def __init__(
+        self, token: str, claimant: str, why: str, hint: str, holder: str, users: tuple[str, ...]
+    ) -> None:
+        super().__init__(token, claimant, why, hint=hint)
+        self.holder = holder
+        self.users = users
+
+
 class TokenPoisoned(ClaimRefused):
     def __init__(self, token: str, claimant: str, reason: str, since: str) -> None:
         super().__init__(

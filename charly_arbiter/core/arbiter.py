@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import EventKind, Events, drivers_label
-from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, TokenSpec
+from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, ScreenUse, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.liveness import claimant_liveness, claimant_runs, stranded_claimants
 from charly_arbiter.core.model import (
@@ -174,6 +174,7 @@ class Arbiter:
             coverage=self.tokens.addresses(),
             parents=self.tokens.parents(),
             vf_users=self._vf_users(mode, tokens),
+            screens=self._screens(mode, tokens),
         )
 
     def plan_release(self, claimant: str, *, force: bool = False) -> ReleasePlan | None:
@@ -186,6 +187,15 @@ class Arbiter:
             return {}
         found = {token.name: self.host.passthrough_blocker(token) for token in tokens}
         return {name: blocker for name, blocker in found.items() if blocker is not None}
+
+    def _screens(self, mode: Mode, tokens: Sequence[TokenSpec]) -> dict[str, ScreenUse]:
+        """Who uses each token's screen, for an exclusive claim (read outside the lock,
+        as the holders are: what it depends on, the display manager running and the
+        GPU on its driver, is what `_refuse_if_holders_came_back` and
+        `_refuse_if_drivers_moved` check again under it)."""
+        if mode is not Mode.EXCLUSIVE:
+            return {}
+        return {token.name: self.host.screen(token) for token in tokens if not token.absent}
 
     def _vf_users(self, mode: Mode, tokens: Sequence[TokenSpec]) -> list[DeviceUser]:
         """Who has a node of the tokens' virtual functions open (a VM's /dev/vfio/N, a
@@ -259,6 +269,7 @@ class Arbiter:
         seen = self.ledger.read()
         holders = self.host.holders(tokens)
         blockers = {} if in_place else self._blockers(mode, tokens)
+        screens = {} if in_place else self._screens(mode, tokens)
         vf_users = self._vf_users(mode, tokens)
         boot_id = self.host.boot_id()
         alive = claimant_liveness(self.host, seen, boot_id)
@@ -281,6 +292,7 @@ class Arbiter:
                 parents=self.tokens.parents(),
                 vf_users=vf_users,
                 in_place=in_place,
+                screens=screens,
             )
             if plan.already_held:
                 own = txn.state.lease_of(claimant)

@@ -11,7 +11,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from charly_arbiter.core.events import a_or_an
-from charly_arbiter.core.host import NO_DRIVER, Blocker, DeviceUser, Holder, TokenSpec
+from charly_arbiter.core.host import NO_DRIVER, Blocker, DeviceUser, Holder, ScreenUse, TokenSpec
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
@@ -20,6 +20,7 @@ from charly_arbiter.core.model import (
     LeaseState,
     LedgerState,
     Mode,
+    ScreenPolicy,
     StepState,
     StoppedHolder,
     blocks_token,
@@ -30,6 +31,7 @@ from charly_arbiter.core.vgpu import vgpu_target_of
 from charly_arbiter.errors import (
     ClaimRefused,
     PassthroughImpossible,
+    ScreenInUse,
     TokenPoisoned,
     TokenUnaccounted,
     cli_command,
@@ -72,6 +74,9 @@ class ClaimPlan:
     homes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     cdi_tokens: tuple[str, ...] = ()
     already_held: bool = False
+    # Who uses the screens of the tokens an exclusive claim passes through (those that
+    # drive one): what `screen = "release"` stops, and what `plan` shows.
+    screens: Mapping[str, ScreenUse] = field(default_factory=dict)
 
     @property
     def switched_tokens(self) -> tuple[str, ...]:
@@ -180,6 +185,7 @@ def decide_claim(
     parents: Mapping[str, str] | None = None,
     vf_users: Sequence[DeviceUser] = (),
     in_place: bool = False,
+    screens: Mapping[str, ScreenUse] | None = None,
 ) -> ClaimPlan:
     """Decide a claim, or raise the `ClaimRefused` that says why it cannot be had.
 
@@ -196,7 +202,10 @@ def decide_claim(
     whose VFs are in use, and a claim on a VF whose PF is held exclusively.
     `in_place` is an exclusive claim that leaves the GPU on its driver (the
     arbiter's own MIG change): it stops every holder, as any exclusive claim
-    does, and switches nothing.
+    does, and switches nothing.  `screens` says who uses each token's screen (a
+    snapshot, as `holders` is): an exclusive claim that would take a screen from
+    its display manager, its sessions or a compositor is refused, naming them,
+    unless the token's `screen` is "release" (`refuse_screen`).
     """
     names = tuple(token.name for token in tokens)
     for token in tokens:
@@ -239,6 +248,10 @@ def decide_claim(
         target = None if in_place else vgpu_target_of(token, claimant, mode)
         if target is not None:
             vgpu_targets[token.name] = target
+    passed = [t for t in tokens if t.name not in vgpu_targets]
+    if mode is Mode.EXCLUSIVE and not in_place:
+        for token in passed:
+            refuse_screen(claimant, token, (screens or {}).get(token.name))
     if mode is Mode.EXCLUSIVE and not in_place:
         for token in tokens:
             blocker = None if token.name in vgpu_targets else (blockers or {}).get(token.name)
@@ -319,7 +332,10 @@ def decide_claim(
         plan = _decide_exclusive(
             ledger, claimant, tokens, holders, stranded, transient, policy, vgpu_targets
         )
-        return replace(plan, switches=()) if in_place else plan
+        if in_place:
+            return replace(plan, switches=())
+        used = {t.name: (screens or {})[t.name] for t in passed if t.name in (screens or {})}
+        return replace(plan, screens={n: u for n, u in used.items() if u.drives_screen})
     return _decide_shared(ledger, claimant, tokens, holders, transient, policy)
 
 
@@ -547,6 +563,43 @@ def _decide_shared(
         homes=homes,
         cdi_tokens=tuple(token.name for token in first if token.cdi),
     )
+
+
+def refuse_screen(claimant: Claimant, token: TokenSpec, use: ScreenUse | None) -> None:
+    """Refuse passing through a GPU that people's screen runs on (a display manager, a
+    graphical session, a compositor: processes of the screen with its DRM nodes open),
+    naming them, unless the token's `screen` is "release".  A boot display or a console
+    with nobody on it is the console policy's (the host's passthrough blocker)."""
+    if use is None or not use.processes or token.screen is ScreenPolicy.RELEASE:
+        return
+    compositors = [p for p in use.processes if any(n.startswith("card") for n in p.nodes)]
+    compositor = (compositors or list(use.processes))[0]
+    sessions = {s.id: s for s in use.sessions}
+    session = sessions.get(compositor.session or "")
+    holder = use.display_manager or compositor.describe()
+    whose = f" of {session.describe()}" if session else ""
+    if not (use.boot_vga or use.fbcon):
+        # Item 5: a desktop's compositor that opened the second GPU too.
+        why = (
+            f"the compositor {compositor.describe()}{whose} has it open, although it is not "
+            f"the boot display; passing it through would end that ({use.describe()})"
+        )
+    else:
+        why = f"{use.describe()}; passing it through would end that desktop"
+    stops = ", ".join(
+        [
+            *([use.display_manager] if use.display_manager else []),
+            *(f"session {s}" for s in sessions),
+        ]
+    )
+    hint = (
+        f'set `screen = "release"` for {token.name} in arbiter.toml to let the arbiter stop '
+        f"{stops or compositor.describe()} before the switch and start the display manager "
+        "again when the GPU comes back (the user gets a login screen back, not the session), "
+        "or end the session first"
+        + (f" (`loginctl terminate-session {' '.join(sessions)}`)" if sessions else "")
+    )
+    raise ScreenInUse(_label(token), claimant, why, hint, holder, use.users)
 
 
 def _running_holders(

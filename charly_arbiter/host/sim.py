@@ -43,6 +43,8 @@ from charly_arbiter.core.host import (
     MigInstance,
     MigState,
     PciFunction,
+    ScreenProcess,
+    ScreenSession,
     ScreenUse,
     Sriov,
     TokenSpec,
@@ -483,16 +485,50 @@ class SimHost:
 
     def screen(self, token: TokenSpec) -> ScreenUse:
         """A device's `boot_vga = true` makes it the boot display, `console = true` puts
-        the framebuffer console on it (while it is on its own driver)."""
+        the framebuffer console on it, and each `[[sessions]]` entry on it is a logind
+        session whose compositor holds its card (see docs/simulated-host.md): all of
+        them only while the device is on its own driver, and a session only while its
+        `display_manager`, where that is a simulated holder, runs."""
         addresses = {f.address for f in token.functions}
         with self._state() as state:
             drivers = dict(state["drivers"])
+            running = dict(state["running"])
         devices = [d for d in self._devices() if d["address"] in addresses]
-        home = [d for d in devices if drivers.get(d["address"]) not in ("", VFIO, None)]
+        home = {d["address"] for d in devices if drivers.get(d["address"]) not in ("", VFIO, None)}
+        listed = {_ref(spec) for spec in self._holder_specs()}
+        sessions: list[ScreenSession] = []
+        processes: list[ScreenProcess] = []
+        user_units: list[str] = []
+        for spec in self._description().get("sessions", []):
+            unit = _optional_str(spec.get("display_manager"))
+            manager = Claimant.of("systemd", unit) if unit else None
+            if spec.get("device") not in home:
+                continue
+            if manager is not None and manager in listed and not running.get(manager, False):
+                continue
+            session = _session(spec, unit)
+            sessions.append(session)
+            processes.append(
+                ScreenProcess(
+                    int(spec.get("pid", session.leader)),
+                    str(spec.get("compositor", "compositor")),
+                    session.uid,
+                    tuple(str(n) for n in spec.get("nodes", ["card0"])),
+                    session.id,
+                    f"session-{session.id}.scope",
+                )
+            )
+            user_units.extend(
+                f"user@{session.uid}.service: {name}" for name in spec.get("user_units", [])
+            )
         return ScreenUse(
             token.name,
             boot_vga=any(d.get("boot_vga") for d in devices),
-            fbcon=any(d.get("console") for d in home),
+            fbcon=any(d.get("console") for d in devices if d["address"] in home),
+            processes=tuple(processes),
+            sessions=tuple(sessions),
+            display_manager=next((s.display_manager for s in sessions if s.display_manager), None),
+            user_units=tuple(dict.fromkeys(user_units)),
         )
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
@@ -733,6 +769,21 @@ def _new_boot_id() -> str:
 
 def _ref(spec: Mapping[str, Any]) -> Claimant:
     return Claimant.of(str(spec.get("kind", "")), str(spec.get("name", "")))
+
+
+def _session(spec: Mapping[str, Any], display_manager: str | None) -> ScreenSession:
+    try:
+        return ScreenSession(
+            id=str(spec["id"]),
+            seat=_optional_str(spec.get("seat", "seat0")),
+            type=str(spec.get("type", "wayland")),
+            uid=int(spec.get("uid", 1000)),
+            user=str(spec.get("user", "")),
+            leader=int(spec.get("leader", 0)),
+            display_manager=display_manager,
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise HostError(f"a [[sessions]] entry of the simulated host is wrong: {error!r}") from None
 
 
 def _optional_str(value: Any) -> str | None:
