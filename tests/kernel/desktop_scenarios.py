@@ -86,10 +86,10 @@ SCENARIO_SECONDS = {"screen_crash_claim": 420, "screen_crash_release": 480}
 BACK_SECONDS = 150  # the display manager back, weston holding card0 (TCG, one vCPU)
 
 
-def config(screen: str | None) -> str:
+def config(screen: str | None, grace: float = 2) -> str:
     """The test's configuration: the pair is the token `gpu`; `screen` the policy
-    (None: the default).  Timeouts this version does not know are left out (the
-    record says which were written)."""
+    (None: the default), `grace` the session's warning (screen_grace).  Timeouts
+    this version does not know are left out (the record says which were written)."""
     from charly_arbiter.core.config import Timeouts
 
     known = {field.name for field in fields(Timeouts)}
@@ -100,7 +100,7 @@ def config(screen: str | None) -> str:
         "driver_switch": 15,
         "libvirt_call": 60,
         "claim_grace": 120,
-        "screen_grace": 2,
+        "screen_grace": grace,
         "screen_back": 90,
     }
     lines = [
@@ -116,8 +116,8 @@ def config(screen: str | None) -> str:
     return "\n".join(lines)
 
 
-def configure(s: Any, screen: str | None) -> None:
-    text = config(screen)
+def configure(s: Any, screen: str | None, grace: float = 2) -> None:
+    text = config(screen, grace)
     CONFIG.write_text(text)
     s.out.setdefault("configs", []).append(text)
 
@@ -366,7 +366,7 @@ def crash_and_restore(s: Any, point: str, release: bool) -> None:
 
 def scenario_screen_crash_claim(s: Any) -> None:
     watch(s)
-    configure(s, "release")
+    configure(s, "release", grace=0.5)
     s.out["points_order"] = [*stop_points(), *CLAIM_POINTS_AFTER_STOPS]
     for point in s.out["points_order"]:
         crash_and_restore(s, point, release=False)
@@ -374,7 +374,7 @@ def scenario_screen_crash_claim(s: Any) -> None:
 
 def scenario_screen_crash_release(s: Any) -> None:
     watch(s)
-    configure(s, "release")
+    configure(s, "release", grace=0.5)
     s.out["points_order"] = list(RELEASE_POINTS)
     for point in RELEASE_POINTS:
         crash_and_restore(s, point, release=True)
