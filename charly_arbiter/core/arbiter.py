@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from charly_arbiter.core import sleeplocks
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import EventKind, Events, drivers_label
@@ -44,6 +45,7 @@ from charly_arbiter.core.planner import (
 )
 from charly_arbiter.core.release_planner import ReleasePlan, may_run_on_it
 from charly_arbiter.core.releasing import Releaser
+from charly_arbiter.core.sleeplocks import SleepLockPlan
 from charly_arbiter.core.switching import Switching
 from charly_arbiter.core.tokens import TokenCatalogue, vf_specs
 from charly_arbiter.errors import (
@@ -324,6 +326,7 @@ class Arbiter:
         for name in plan.cdi_tokens:
             if name not in plan.switched_tokens:  # a switch refreshed it already
                 self.switching.regenerate_cdi(by_name[name])
+        self._block_sleep(claimant, plan)
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
@@ -434,6 +437,81 @@ class Arbiter:
                 if lease is not None:
                     txn.state = txn.state.with_lease(lease.with_switch(token, StepState.DONE))
 
+    # -- sleep locks (core/sleeplocks.py) ---------------------------------------------
+
+    def _block_sleep(self, claimant: Claimant, plan: ClaimPlan) -> None:
+        """Take the claim's sleep locks, its GPUs on vfio-pci and before it turns active,
+        each recorded in its lease first.  A host that cannot take them (no systemd) is
+        logged and recorded in the lease, never a failed claim: the VM starts all the
+        same, and `status`, `explain` and `doctor` say that sleep is not blocked."""
+        if not sleeplocks.blocks_sleep(plan.mode, claimant, self.config.sleep):
+            return
+        with self.ledger.transaction() as txn:
+            txn.state = sleeplocks.with_recorded(txn.state, claimant, plan.tokens)
+        crashpoint("acquire.sleep")
+        tokens = ",".join(plan.tokens)
+        try:
+            for token in plan.tokens:
+                self.host.inhibit(token, sleeplocks.lock_why(token, claimant))
+        except ArbiterError as error:
+            log.warning("%s: sleep is not blocked: %s", claimant, error)
+            self.events.emit(
+                EventKind.SLEEP_LOCK_FAILED, claimant=claimant, token=tokens, why=str(error)
+            )
+            with self.ledger.transaction() as txn:
+                txn.state = sleeplocks.with_failure(txn.state, claimant, str(error))
+            return
+        self.events.emit(EventKind.SLEEP_BLOCKED, claimant=claimant, token=tokens)
+
+    def converge_sleep_locks(self) -> SleepLockPlan:
+        """Bring the host's sleep locks to what the leases need (`restore` ends with it):
+        a lock for each token of an active exclusive lease, none other.  The leases a
+        live process is carrying out are left to it.  Each lock taken is recorded
+        first, each one let go forgotten after; a lock that cannot be taken is
+        recorded as such in its lease."""
+        held = dict(self.host.inhibitors())
+        seen = self.ledger.read()
+        busy = frozenset(
+            lease.claimant
+            for lease in seen.leases
+            if lease.owner is not None
+            and lease.owner != self.owner
+            and self.host.process_alive(lease.owner)
+        )
+        with self.ledger.transaction() as txn:
+            plan = sleeplocks.decide_sleep_locks(txn.state, self.config.sleep, held, busy)
+            records = sleeplocks.recorded(txn.state)
+            for token, _, owner in plan.take:
+                txn.state = sleeplocks.with_recorded(txn.state, owner, [token])
+            for token, owner in plan.record:
+                txn.state = sleeplocks.with_recorded(txn.state, owner, [token])
+        for token in plan.let_go:
+            try:
+                self.host.uninhibit(token)
+            except ArbiterError as error:
+                log.error("%s: could not let go of its sleep lock: %s", token, error)
+                continue
+            whose = {"claimant": records[token]} if token in records else {}
+            self.events.emit(EventKind.SLEEP_ALLOWED, token=token, **whose)
+        failed: dict[Claimant, str] = {}
+        for token, why, owner in plan.take:
+            try:
+                self.host.inhibit(token, why)
+            except ArbiterError as error:
+                log.warning("%s: sleep is not blocked: %s", owner, error)
+                self.events.emit(
+                    EventKind.SLEEP_LOCK_FAILED, claimant=owner, token=token, why=str(error)
+                )
+                failed[owner] = str(error)
+                continue
+            self.events.emit(EventKind.SLEEP_BLOCKED, claimant=owner, token=token)
+        if plan.let_go or plan.forget or failed:
+            with self.ledger.transaction() as txn:
+                txn.state = sleeplocks.forgotten(txn.state, {*plan.let_go, *plan.forget})
+                for owner, why in failed.items():
+                    txn.state = sleeplocks.with_failure(txn.state, owner, why)
+        return plan
+
     # -- releasing ---------------------------------------------------------------
 
     def release_claimant(
@@ -497,6 +575,7 @@ class Arbiter:
         for claimant in targets:
             self.events.emit(EventKind.RESTORE, claimant=claimant)
             releaser.finish(claimant, success=False, reason="restored")
+        self.converge_sleep_locks()
         return targets
 
     def stranded_claimants(self, state: LedgerState) -> frozenset[Claimant]:

@@ -580,6 +580,25 @@ class Host(Protocol):
         """Refresh the CDI spec after the token came home (no-op where there is none)."""
         ...
 
+    def inhibit(self, token: str, why: str) -> None:
+        """Hold a logind inhibitor lock for `token` (what=sleep, who=charly-arbiter,
+        mode=block) that says `why`, until `uninhibit`: it outlives this process, and
+        replaces a lock of `token`'s held already.  Raises `HostError` where it cannot
+        (no systemd); the arbiter records that and goes on."""
+        ...
+
+    def uninhibit(self, token: str) -> None:
+        """Let go of `token`'s sleep lock; nothing when none is held."""
+        ...
+
+    def inhibitors(self) -> Mapping[str, str]:
+        """The sleep locks the arbiter holds now: token -> why."""
+        ...
+
+    def sleep_lock_unavailable(self) -> str | None:
+        """Why this host cannot hold a sleep lock (None: it can)."""
+        ...
+
     def close(self) -> None:
         """Release what the host holds open (NVML holds /dev/nvidia* itself)."""
         ...

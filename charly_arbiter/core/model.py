@@ -353,6 +353,10 @@ class Lease:
     # token -> StepState of its driver switch (planned while acquiring/releasing)
     switched: tuple[tuple[str, StepState], ...] = ()
     note: str = ""
+    # The tokens whose sleep lock (a logind inhibitor, core/sleeplocks.py) this lease
+    # holds: recorded before the lock is taken, forgotten once it is let go.
+    sleep_locks: tuple[str, ...] = ()
+    sleep_lock_error: str = ""  # why the host could not take one (no systemd), if it could not
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "claimant", Claimant.parse(self.claimant))

@@ -16,6 +16,7 @@ from collections.abc import Collection
 from dataclasses import replace
 
 from charly_arbiter.core import release_planner as rules
+from charly_arbiter.core import sleeplocks
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import EventKind, Events, drivers_label
 from charly_arbiter.core.host import Host, TokenSpec
@@ -184,6 +185,7 @@ class Releaser:
     def carry_out(self, plan: ReleasePlan, tokens: dict[str, TokenSpec]) -> None:
         """Everything after the intent: tokens home, holders back, the lease gone."""
         claimant = plan.claimant
+        self._allow_sleep(plan)
         for step in plan.homes:
             if step.due:
                 self._send_home(claimant, step, tokens.get(step.token))
@@ -201,6 +203,31 @@ class Releaser:
                 "%s: release incomplete; run %s",
                 claimant,
                 cli_command("restore", operands=[claimant]),
+            )
+
+    def _allow_sleep(self, plan: ReleasePlan) -> None:
+        """Let go of the lease's sleep locks as its release begins, while its tokens are
+        still its own (core/sleeplocks.py), then forget them.  One that cannot be let go
+        is logged and stays recorded: `restore` lets go of it."""
+        tokens = plan.lease.sleep_locks if plan.lease is not None else ()
+        if not tokens:
+            return
+        crashpoint("release.sleep")
+        let_go = []
+        for token in tokens:
+            try:
+                self.host.uninhibit(token)
+            except ArbiterError as error:
+                log.error(
+                    "%s: could not let go of %s's sleep lock: %s", plan.claimant, token, error
+                )
+                continue
+            let_go.append(token)
+        with self.ledger.transaction() as txn:
+            txn.state = sleeplocks.forgotten(txn.state, let_go, plan.claimant)
+        if let_go:
+            self.events.emit(
+                EventKind.SLEEP_ALLOWED, claimant=plan.claimant, token=",".join(let_go)
             )
 
     def _send_home(self, claimant: Claimant, step: HomeStep, spec: TokenSpec | None) -> None:

@@ -302,6 +302,18 @@ class Drained:
     def regenerate_cdi(self, token: TokenSpec) -> None:
         self.inner.regenerate_cdi(token)
 
+    def inhibit(self, token: str, why: str) -> None:
+        self.inner.inhibit(token, why)
+
+    def uninhibit(self, token: str) -> None:
+        self.inner.uninhibit(token)
+
+    def inhibitors(self) -> Mapping[str, str]:
+        return self.inner.inhibitors()
+
+    def sleep_lock_unavailable(self) -> str | None:
+        return self.inner.sleep_lock_unavailable()
+
     def close(self) -> None:
         self.inner.close()
 

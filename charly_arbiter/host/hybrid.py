@@ -140,6 +140,18 @@ class HybridHost:
     def regenerate_cdi(self, token: TokenSpec) -> None:
         self.sim.regenerate_cdi(token)
 
+    def inhibit(self, token: str, why: str) -> None:
+        self.sim.inhibit(token, why)
+
+    def uninhibit(self, token: str) -> None:
+        self.sim.uninhibit(token)
+
+    def inhibitors(self) -> Mapping[str, str]:
+        return self.sim.inhibitors()
+
+    def sleep_lock_unavailable(self) -> str | None:
+        return self.sim.sleep_lock_unavailable()
+
     def close(self) -> None:
         self.real.close()
         self.sim.close()

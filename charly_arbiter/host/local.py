@@ -47,6 +47,7 @@ from charly_arbiter.host.devnodes import device_functions
 from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory, known_owner
 from charly_arbiter.host.holders.nvidia import NvidiaPersistence
 from charly_arbiter.host.holders.process import ProcessHolders
+from charly_arbiter.host.inhibit import SleepLocks
 from charly_arbiter.host.kmod import MODULES_ROOT, KernelModules
 from charly_arbiter.host.nvml import Nvml
 from charly_arbiter.host.pcidata import pci_data
@@ -146,6 +147,9 @@ class LocalHost:
         self.screens = ScreenReader(self.sysfs, roots, self.console)
         self.nvml = Nvml()
         self.mig_error = ""  # why `mig` said None last
+        self.sleep_locks = SleepLocks(
+            roots.run, config.timeouts.holder_start, config.timeouts.holder_stop
+        )
         self.processes = ProcessHolders(
             config, self.sysfs, roots.proc, roots.dev, nvml_processes=self._nvml_processes
         )
@@ -428,6 +432,18 @@ class LocalHost:
             return
         run.run([tool, "cdi", "generate", f"--output={self.cdi_spec}"], timeout=120)
         log.info("%s: regenerated %s", token.name, self.cdi_spec)
+
+    def inhibit(self, token: str, why: str) -> None:
+        self.sleep_locks.inhibit(token, why)
+
+    def uninhibit(self, token: str) -> None:
+        self.sleep_locks.uninhibit(token)
+
+    def inhibitors(self) -> dict[str, str]:
+        return self.sleep_locks.inhibitors()
+
+    def sleep_lock_unavailable(self) -> str | None:
+        return self.sleep_locks.unavailable()
 
     def close(self) -> None:
         self.nvml.close()

@@ -572,6 +572,34 @@ class SimHost:
     def close(self) -> None:
         pass
 
+    # -- sleep locks: logind's inhibitors, as the local host holds them --------------------
+
+    def inhibit(self, token: str, why: str) -> None:
+        """Hold `token`'s sleep lock (state.json's `sleep_locks`); `systemd = false` in
+        host.toml models a host without systemd, which cannot hold one."""
+        if not self._description().get("systemd", True):
+            raise HostError(
+                f"{token}: cannot block sleep: systemd is not running here "
+                "(simulated: systemd = false)"
+            )
+        with self._state() as state:
+            state.setdefault("sleep_locks", {})[token] = why
+            state["log"].append(f"inhibit {token}")
+
+    def uninhibit(self, token: str) -> None:
+        with self._state() as state:
+            if state.setdefault("sleep_locks", {}).pop(token, None) is not None:
+                state["log"].append(f"uninhibit {token}")
+
+    def inhibitors(self) -> dict[str, str]:
+        with self._state() as state:
+            return {str(token): str(why) for token, why in state.get("sleep_locks", {}).items()}
+
+    def sleep_lock_unavailable(self) -> str | None:
+        if not self._description().get("systemd", True):
+            return "systemd is not running here (simulated: systemd = false)"
+        return None
+
     # -- MIG: what NVML says and does, for a GPU with `mig_profiles` ------------------------
 
     def mig(self, token: TokenSpec) -> MigState | None:

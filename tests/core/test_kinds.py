@@ -33,7 +33,8 @@ EVENT_VALUES = [
     "claim", "refused", "stopping", "preempted", "switching", "switched", "active",
     "poisoned", "release", "failed", "restore", "starting", "restored", "restore-failed",
     "poison-cleared", "mismatch", "adopted", "send-home", "recovered",
-    "mig", "mig-done", "vf-count", "vf-counted",
+    "mig", "mig-done", "vf-count", "vf-counted", "sleep-blocked", "sleep-allowed",
+    "sleep-lock-failed",
 ]  # fmt: skip
 
 
