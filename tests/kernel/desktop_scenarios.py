@@ -21,7 +21,8 @@ TCG domain chain-a, whose two managed hostdevs are the pair 00:02.0 + 00:02.1.
   something was stopped, then `charly-arbiter restore`: the same end state;
 - screen_dm_fails: a display manager made to fail at start (a drop-in, added while
   the VM runs, whose ExecStartPre fails, with Restart=always as gdm has it): the
-  release ends on a text login (getty@tty1), the display manager not left
+  release ends on a text login (a getty, with getty@tty1 stopped before as a
+  display manager's Conflicts= stops it), the display manager not left
   restart-looping, the failure in `charly-arbiter history`; then the way back
   (the drop-in gone, `charly-arbiter restore`);
 - screen_teardown: everything as the units test's next scenarios expect it (its
@@ -52,7 +53,7 @@ DM = "display-manager.service"
 WESTON = "charly-weston.service"  # sysguest.DISPLAY_UNIT: what display-manager.service is
 # The display manager as a holder: its real unit's name, not the alias
 DM_REF = f"display-manager:{WESTON}"
-GETTY = "getty@tty1.service"  # the text login the arbiter falls back to
+GETTY = "getty@tty1.service"  # the text login every boot of this guest starts
 VM = "chain-a"  # chain.define_domains: the pair as two managed='yes' hostdevs
 CONFIG = Path("/etc/charly-arbiter/arbiter.toml")
 SAVED = Path("/run/charly-desktop/arbiter.toml.units")  # the units test's configuration
@@ -156,6 +157,14 @@ def screen_use() -> dict[str, Any]:
         return {**use.as_json(), "describe": use.describe()}
     finally:
         host.close()
+
+
+def gettys() -> list[str]:
+    """The text logins running (getty@ttyN.service)."""
+    listed = chain.run(
+        [sysfacts.SYSTEMCTL, "list-units", "--state=active", "--no-legend", "--plain", "getty@*"]
+    )
+    return sorted(line.split()[0] for line in listed["stdout"].splitlines() if line.strip())
 
 
 def arbiter_locks() -> list[dict[str, Any]]:
@@ -390,6 +399,7 @@ def scenario_screen_dm_fails(s: Any) -> None:
     # On a real desktop host the display manager's unit conflicts with the getty on
     # its console (gdm's Conflicts=getty@tty1.service): no text login runs.
     s.out["getty_stop"] = systemctl("stop", GETTY)
+    s.out["gettys_before"] = gettys()
     step(s, "before")
     s.out["start"] = chain.virsh("start", VM)
     FAILING.parent.mkdir(parents=True, exist_ok=True)
@@ -400,12 +410,19 @@ def scenario_screen_dm_fails(s: Any) -> None:
     began = time.monotonic()
     s.out["destroy"] = chain.virsh("destroy", VM)
     wait(s, "pair_home", released, 60)
-    wait(s, "text_login", lambda: sysfacts.active(GETTY), BACK_SECONDS)
+    wait(s, "text_login", lambda: bool(gettys()), BACK_SECONDS)
     timed(s, "destroy_to_text_login", began)
     wait_for(lambda: not chain.finish_release_running(), 60)
     first = sysfacts.unit(DM)
     time.sleep(5)  # a looping unit would restart (RestartSec=1) meanwhile
-    step(s, "text_login", dm_first=first, dm_journal=sysfacts.journal_of(WESTON, since))
+    s.out["gettys_after"] = gettys()
+    step(
+        s,
+        "text_login",
+        dm_first=first,
+        dm_journal=sysfacts.journal_of(WESTON, since),
+        gettys=gettys(),
+    )
     s.out["history"] = cli("history", "--claimant", f"libvirt:{VM}")
     s.out["history_json"] = cli("history", "--json", "--claimant", f"libvirt:{VM}")
     s.out["explain"] = cli("explain", "gpu")
@@ -436,6 +453,9 @@ def scenario_screen_teardown(s: Any) -> None:
         s.out["clear"] = cli("poison", "clear", "gpu")
     s.out["stop"] = systemctl("stop", DM, *LIBVIRT_UNITS, timeout=180)
     systemctl("reset-failed", DM)
+    others = [getty for getty in gettys() if getty != GETTY]
+    if others:
+        s.out["gettys_stopped"] = systemctl("stop", *others)
     if not sysfacts.active(GETTY):
         s.out["getty"] = systemctl("start", GETTY)
     if SAVED.exists():
