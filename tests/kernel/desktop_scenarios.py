@@ -87,10 +87,12 @@ SCENARIO_SECONDS = {"screen_crash_claim": 420, "screen_crash_release": 480}
 BACK_SECONDS = 150  # the display manager back, weston holding card0 (TCG, one vCPU)
 
 
-def config(screen: str | None, grace: float = 2) -> str:
+def config(screen: str | None, grace: float = 2, claim_grace: float = 120) -> str:
     """The test's configuration: the pair is the token `gpu`; `screen` the policy
-    (None: the default), `grace` the session's warning (screen_grace).  Timeouts
-    this version does not know are left out (the record says which were written)."""
+    (None: the default), `grace` the session's warning (screen_grace), `claim_grace`
+    how long an active lease whose claimant does not run is not yet stranded.
+    Timeouts this version does not know are left out (the record says which were
+    written)."""
     from charly_arbiter.core.config import Timeouts
 
     known = {field.name for field in fields(Timeouts)}
@@ -100,7 +102,7 @@ def config(screen: str | None, grace: float = 2) -> str:
         "holder_start": 90,
         "driver_switch": 15,
         "libvirt_call": 60,
-        "claim_grace": 120,
+        "claim_grace": claim_grace,
         "screen_grace": grace,
         "screen_back": 90,
     }
@@ -117,8 +119,8 @@ def config(screen: str | None, grace: float = 2) -> str:
     return "\n".join(lines)
 
 
-def configure(s: Any, screen: str | None, grace: float = 2) -> None:
-    text = config(screen, grace)
+def configure(s: Any, screen: str | None, grace: float = 2, claim_grace: float = 120) -> None:
+    text = config(screen, grace, claim_grace)
     CONFIG.write_text(text)
     s.out.setdefault("configs", []).append(text)
 
@@ -363,6 +365,7 @@ def crash_and_restore(s: Any, point: str, release: bool) -> None:
         else:
             record["acquire"] = cli("acquire", "--exclusive", me, "gpu", env=crash)
         step(s, f"killed at {point}", leases_at_kill=lease_records())
+    time.sleep(1)  # claim_grace: an active lease's claimant gone for longer is stranded
     restoring = time.monotonic()
     record["restore"] = cli("restore")
     wait_for(released, 60)
@@ -375,7 +378,8 @@ def crash_and_restore(s: Any, point: str, release: bool) -> None:
 
 def scenario_screen_crash_claim(s: Any) -> None:
     watch(s)
-    configure(s, "release", grace=0.5)
+    # a killed claim's claimant is gone at once: stranded, not a VM about to start
+    configure(s, "release", grace=0.5, claim_grace=1)
     s.out["points_order"] = [*stop_points(), *CLAIM_POINTS_AFTER_STOPS]
     for point in s.out["points_order"]:
         crash_and_restore(s, point, release=False)
@@ -383,7 +387,8 @@ def scenario_screen_crash_claim(s: Any) -> None:
 
 def scenario_screen_crash_release(s: Any) -> None:
     watch(s)
-    configure(s, "release", grace=0.5)
+    # a killed claim's claimant is gone at once: stranded, not a VM about to start
+    configure(s, "release", grace=0.5, claim_grace=1)
     s.out["points_order"] = list(RELEASE_POINTS)
     for point in RELEASE_POINTS:
         crash_and_restore(s, point, release=True)
