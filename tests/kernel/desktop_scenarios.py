@@ -364,7 +364,7 @@ def crash_and_restore(s: Any, point: str, release: bool) -> None:
             record["release"] = cli("release", "--force", me, env=crash)
         else:
             record["acquire"] = cli("acquire", "--exclusive", me, "gpu", env=crash)
-        step(s, f"killed at {point}", leases_at_kill=lease_records())
+        step(s, f"killed at {point}")
     time.sleep(1)  # claim_grace: an active lease's claimant gone for longer is stranded
     restoring = time.monotonic()
     record["restore"] = cli("restore")
@@ -431,6 +431,7 @@ def scenario_screen_dm_fails(s: Any) -> None:
     s.out["history"] = cli("history", "--claimant", f"libvirt:{VM}")
     s.out["history_json"] = cli("history", "--json", "--claimant", f"libvirt:{VM}")
     s.out["explain"] = cli("explain", "gpu")
+    s.out["explain_claimant"] = cli("explain", f"libvirt:{VM}")
     s.out["status"] = cli("status")
     # The way back: the display manager mended, then restore.
     FAILING.unlink()
