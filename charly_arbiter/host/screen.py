@@ -21,12 +21,17 @@ token's `dri/card*` and `dri/renderD*` nodes, and each is placed:
   the unit.  Where the leader has no such id, the unit of the leader's parent is
   taken, if it is a system service.
 
-Which processes are the screen's: any that has a card (primary, KMS) node open;
-one with only a render node when it runs in a graphical (x11, wayland, mir) or
-seated session, in the display manager's unit, or in the user units of a user
-with such a session (`user@1000.service: pipewire.service`).  A system service or
-an SSH login that renders on the GPU is not the screen: it is a holder like any
-other (holders/process.py).
+Which processes are the screen's: those of a graphical (x11, wayland, mir) or
+seated session, of the display manager's unit, and of the user units of a user
+with such a session (`user@1000.service: pipewire.service`); and a display server
+(console.DISPLAY_SERVERS: Xorg, weston, cage, ...) with a card (KMS) node open
+wherever it runs (lightdm's Xorg in lightdm.service, a kiosk's cage in a unit of
+its own).  A system service that has the card or a render node open (an inference
+server), or an SSH login that renders on the GPU, is not the screen: it is a
+holder like any other (holders/process.py; tests/kernel/test_systemd_units.py's
+card holder is one).  Nor are logind and PID 1, which hold a session's card for it
+(logind opens it for the compositor, TakeDevice, and keeps the fd in PID 1's fd
+store: seen with systemd 252).
 """
 
 from __future__ import annotations
@@ -37,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from charly_arbiter.core.host import ScreenProcess, ScreenSession, ScreenUse, TokenSpec
-from charly_arbiter.host.console import Console
+from charly_arbiter.host.console import DISPLAY_SERVERS, Console
 from charly_arbiter.host.pcidata import function_nodes
-from charly_arbiter.host.procscan import scan
+from charly_arbiter.host.procscan import program_name, scan
 from charly_arbiter.host.sysfs import Roots, Sysfs
 
 GRAPHICAL = frozenset({"x11", "wayland", "mir"})
@@ -48,6 +53,8 @@ NO_SESSION = "4294967295"  # (uint32) -1: /proc/PID/sessionid of a process in no
 # 256 and later open a session for user@.service).
 MANAGER_CLASSES = frozenset({"manager", "manager-early", "background", "background-light"})
 _ENVIRON_MAX = 1 << 20
+# Hold a session's devices on its behalf: no one's screen of their own.
+DEVICE_BROKERS = frozenset({"systemd-logind.service", "init.scope"})
 
 
 @dataclass(frozen=True)
@@ -60,10 +67,16 @@ class _Found:
     nodes: tuple[str, ...]
     session: ScreenSession | None
     unit: str | None
+    program: str  # the executable's name, untruncated
 
     @property
     def card(self) -> bool:
         return any(node.startswith("card") for node in self.nodes)
+
+    @property
+    def server(self) -> bool:
+        """A display server with the card open (wherever it runs)."""
+        return self.card and self.program in DISPLAY_SERVERS
 
     @property
     def user_unit_of(self) -> int | None:
@@ -132,14 +145,18 @@ class ScreenReader:
         found = []
         for pid, names in sorted(held.items()):
             unit = self.unit_of(pid)
+            if pid == 1 or unit in DEVICE_BROKERS:
+                continue
             session_id = self._session_id(pid, unit)
             session = None
             if session_id is not None:
                 if session_id not in sessions:
                     sessions[session_id] = self.session(session_id)
                 session = sessions[session_id]
+            names_held = tuple(sorted(set(names)))
+            program = program_name(self.roots.proc, pid)
             found.append(
-                _Found(pid, comms[pid], self._uid(pid), tuple(sorted(set(names))), session, unit)
+                _Found(pid, comms[pid], self._uid(pid), names_held, session, unit, program)
             )
         return found
 
@@ -148,7 +165,7 @@ class ScreenReader:
         seated = {
             f.session.id
             for f in found
-            if f.session is not None and (f.card or _is_screen_session(f.session))
+            if f.session is not None and (f.server or _is_screen_session(f.session))
         }
         screen_sessions = {
             f.session.id: f.session for f in found if f.session and f.session.id in seated
@@ -158,7 +175,7 @@ class ScreenReader:
         kept = []
         for f in found:
             if (
-                f.card
+                f.server
                 or (f.session is not None and f.session.id in seated)
                 or (f.unit is not None and f.unit in units)
                 or (f.user_unit_of is not None and f.user_unit_of in users)
@@ -293,13 +310,13 @@ def unit_of_cgroup(path: str) -> str | None:
 
 def _display_manager(screen: Collection[_Found], sessions: Collection[ScreenSession]) -> str | None:
     """The display manager: the unit that opened a graphical or seated session, else
-    a system service that has a card node open itself (Xorg under lightdm.service)."""
+    a system service whose display server has the card open (Xorg in lightdm.service)."""
     for session in sessions:
         if session.display_manager and _is_screen_session(session):
             return session.display_manager
     for found in screen:
         unit = found.unit or ""
-        if found.card and found.session is None and unit.endswith(".service") and "/" not in unit:
+        if found.server and found.session is None and unit.endswith(".service") and "/" not in unit:
             return unit
     return None
 

@@ -10,14 +10,22 @@ fixes it.  Pure: the CLI gathers the facts, this only words them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from charly_arbiter.core.arbiter import Status, TokenStatus, rollback_found
 from charly_arbiter.core.events import EventKind, and_list, describe
-from charly_arbiter.core.host import Holder
-from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState, as_time, human_time
+from charly_arbiter.core.host import Holder, ScreenUse
+from charly_arbiter.core.model import (
+    Lease,
+    LeaseState,
+    Mode,
+    ScreenPolicy,
+    StepState,
+    as_time,
+    human_time,
+)
 from charly_arbiter.core.planner import unaccounted_hint
 from charly_arbiter.errors import cli_command
 from charly_arbiter.ops.history import Record, last_holder
@@ -30,6 +38,8 @@ class Facts:
     history: Sequence[Record]
     interrupted: frozenset[int]  # indexes into `history` (see history.interrupted)
     now: datetime
+    # Who uses each token's screen now, with the token's `screen` policy.
+    screens: Mapping[str, tuple[ScreenUse, ScreenPolicy]] = field(default_factory=dict)
 
 
 def explain_token(name: str, facts: Facts) -> list[str]:
@@ -56,6 +66,7 @@ def explain_token(name: str, facts: Facts) -> list[str]:
         sentences.append(f"{label} is shared by {who}.")
         sentences += [f"It is also {_use(holder)}." for holder in token.users]
     sentences.append(_drivers(token))
+    sentences += _screen(name, facts)
     if token.bound_by_admin:
         sentences.append(
             "Its home is vfio-pci: the administrator keeps it there on purpose (`adopt "
@@ -70,6 +81,30 @@ def explain_token(name: str, facts: Facts) -> list[str]:
     sentences += _interrupted(
         {r.claimant for r in facts.status.leases if name in r.tokens}, facts, only_token=name
     )
+    return sentences
+
+
+def _screen(name: str, facts: Facts) -> list[str]:
+    """Who uses its screen, and what an exclusive claim does about it."""
+    if name not in facts.screens:
+        return []
+    use, policy = facts.screens[name]
+    if not use.drives_screen:
+        return []
+    sentences = [f"{use.describe()}."]
+    if not use.processes:
+        return sentences
+    if policy is ScreenPolicy.RELEASE:
+        sentences.append(
+            'With screen = "release", an exclusive claim stops them first, and the display '
+            "manager is started again when the GPU comes back (a login screen, not the session)."
+        )
+    else:
+        sentences.append(
+            "An exclusive claim on it is refused while they use it. Fix: end the session "
+            f'first, or set screen = "release" for {name} in arbiter.toml to let the arbiter '
+            "stop them and start the display manager again afterwards."
+        )
     return sentences
 
 

@@ -17,13 +17,18 @@ import pytest
 from coretools import ALL_PREEMPTIBLE, HOME, TOKEN_FUNCTIONS
 from interleave import Outcome, World, errors_of, explore
 from invariants import assert_converged, assert_invariants, sim_facts
-from simhosts import PF, VF0, VF1, holder, mig_host, sriov_pf, sriov_tokens, vgpu_pf
+from simhosts import PF, VF0, VF1, holder, mig_host, session, sriov_pf, sriov_tokens, vgpu_pf
 
 from charly_arbiter.core.host import MigChange
 from charly_arbiter.core.migop import change_mig
 from charly_arbiter.core.model import VFIO, LeaseState, Mode
 from charly_arbiter.core.vfcount import set_vf_count
-from charly_arbiter.errors import ClaimRefused, LeaseInProgress, MigInvalid, VfCountRefused
+from charly_arbiter.errors import (
+    ClaimRefused,
+    LeaseInProgress,
+    MigInvalid,
+    VfCountRefused,
+)
 
 CONFIG = """
 host = "sim:{root}/host"
@@ -337,6 +342,45 @@ def test_a_shared_claim_stops_only_the_vm_that_has_the_gpu_passed_through():
         preemptions=1,
         crash=True,
         floor=20,
+        finish=finish,
+    )
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["", "kill-9"])
+def test_the_desktop_coming_back_during_a_claim_is_never_taken_from_its_user(crash):
+    """Issue 19: a has gpu1 (its desktop's display manager stopped for it, while nobody
+    was logged in); now alice's session is configured to come back with the display
+    manager.  a's release (the hook's, with its detached finish) races b's exclusive
+    claim on gpu1: b may take over the display manager's pending restart (the desktop
+    is not there yet) or be refused once it is back (ScreenInUse, or a retry that ends
+    refused); in no schedule does anyone stop the display manager again, and every
+    kill -9 is restored as ever."""
+
+    def scenario(world: World) -> None:
+        start_with(world, ("acquire", "libvirt:a", Mode.EXCLUSIVE, ("gpu1",)))
+        desktop = ALL_PREEMPTIBLE + "\n" + session("0000:0b:00.0")
+        (world.sim_dir / "host.toml").write_text(desktop)
+
+    def finish(outcome: Outcome) -> None:
+        log = outcome.world.host().snapshot()["log"]
+        stops = [line for line in log if line == "stop systemd:display-manager.service"]
+        assert len(stops) == 1, (log, outcome.choices)  # a's own, before the race
+        assert outcome_of(outcome, "b") in ("ok", "ScreenInUse", "ClaimRefused"), outcome.errors
+        held = outcome.world.ledger().read().lease_of("libvirt:b")
+        if held is not None and held.state is LeaseState.ACTIVE:
+            # (b's claim went through, not killed: the desktop was not there)
+            running = outcome.world.host().snapshot()["running"]
+            assert not running["systemd:display-manager.service"], (log, outcome.choices)
+
+    run(
+        scenario,
+        [
+            ("a-release", hook_release("libvirt:a")),
+            ("b", acquire("libvirt:b", Mode.EXCLUSIVE, "gpu1")),
+        ],
+        preemptions=2,
+        crash=crash,
+        floor=15,
         finish=finish,
     )
 

@@ -14,7 +14,11 @@ predicted.
 
 Faults are rules: a failing or hanging switch on any function, a holder whose
 stop or start fails, a holder that is not preemptible (host.toml is written
-from the machine's state; the simulated host reads it on every call).  A
+from the machine's state; the simulated host reads it on every call).  So is a
+desktop on gpu1 (a logind session display-manager.service opened, there while
+gpu1 is on its driver and the display manager runs), and the token's `screen`
+policy: an exclusive claim on gpu1 is refused for the desktop while it is there
+and the policy is "refuse" (issue 19).  A
 crash is `crashpoints.hook` raising a BaseException at a named step, the way
 a kill -9 stops the process there.
 
@@ -55,18 +59,27 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from invariants import assert_converged, assert_invariants, sim_facts
-from simhosts import PF, VF0, VF1, audio, gpu, holder, host, sriov_pf, sriov_tokens
+from simhosts import PF, VF0, VF1, audio, gpu, holder, host, session, sriov_pf, sriov_tokens
 
 from charly_arbiter.core import crashpoints
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import load_config
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import VFIO, LeaseState, LedgerState, Mode, ProcessRef, StepState
+from charly_arbiter.core.model import (
+    VFIO,
+    LeaseState,
+    LedgerState,
+    Mode,
+    ProcessRef,
+    ScreenPolicy,
+    StepState,
+)
 from charly_arbiter.core.vfcount import set_vf_count
 from charly_arbiter.errors import (
     ClaimantRunning,
     ClaimRefused,
     HolderError,
+    ScreenInUse,
     SwitchFailed,
     TokenPoisoned,
     VfCountRefused,
@@ -92,6 +105,7 @@ HOLDERS = {
     "libvirt:vm": "gpu1",
 }
 PASSTHROUGH = frozenset({"libvirt:vm"})
+DISPLAY_MANAGER = "systemd:display-manager.service"
 REFS = (*HOLDERS, *CLAIMANTS)
 EVERY_CLAIMANT = (*CLAIMANTS, SHARER)
 # An SR-IOV physical function (pf, a token configured for 2 VFs) and its first VF (vf0, a
@@ -149,6 +163,13 @@ class Faults:
     fail_stop: frozenset[str] = frozenset()
     fail_start: frozenset[str] = frozenset()
     rigid: frozenset[str] = frozenset()  # holders that are not preemptible
+    desktop: bool = False  # a session of display-manager.service on gpu1
+    release_screen: bool = False  # gpu1's `screen = "release"`
+
+    def desktop_on(self, world: World) -> bool:
+        """Whether gpu1's desktop is there: the simulated session exists while gpu1 is
+        on its own driver and the display manager that opened it runs."""
+        return self.desktop and "gpu1" not in world.vfio and world.running(DISPLAY_MANAGER)
 
     def switch_fails(self, token: str) -> bool:
         return any(address in TOKEN_FUNCTIONS[token] for address, _ in self.switch)
@@ -177,6 +198,7 @@ class Faults:
                 )
                 for ref in HOLDERS
             ),
+            *([session("0000:0b:00.0")] if self.desktop else []),
         )
 
 
@@ -442,6 +464,11 @@ def decide(
             relation.add("sriov-enabled")
     if relation:
         return ("refused", frozenset(relation))
+    # Someone's desktop on gpu1: an exclusive claim does not take it from them (unless
+    # the token's screen is "release"; what that stops is then the holders' business).
+    if mode is EXCLUSIVE and "gpu1" in tokens and not faults.release_screen:
+        if faults.desktop_on(world):
+            return ("refused", frozenset({"screen"}))
     own = world.lease(claimant)
     if own is not None:
         if own.boot != world.boot:
@@ -899,6 +926,8 @@ def observe_real(state: LedgerState, snapshot: dict[str, Any]) -> Obs:
 def refusal_reason(error: ClaimRefused) -> str:
     if isinstance(error, TokenPoisoned):
         return "poisoned"
+    if isinstance(error, ScreenInUse):
+        return "screen"
     for words, reason in (
         ("its physical function", "pf-exclusive" if "exclusively" in error.why else "pf-poisoned"),
         ("does not exist now", "absent"),
@@ -1000,7 +1029,13 @@ class ArbiterMachine(RuleBasedStateMachine):
         shutil.rmtree(self.root, ignore_errors=True)
 
     def arbiter(self) -> Arbiter:
-        return Arbiter(self.config, self.host, self.ledger, owner=self.owner)
+        policy = ScreenPolicy.RELEASE if self.faults.release_screen else ScreenPolicy.REFUSE
+        tokens = tuple(
+            replace(token, screen=policy) if token.name == "gpu1" else token
+            for token in self.config.tokens
+        )
+        config = replace(self.config, tokens=tokens)
+        return Arbiter(config, self.host, self.ledger, owner=self.owner)
 
     def _write_host(self) -> None:
         (self.sim_dir / "host.toml").write_text(self.faults.host_toml())
@@ -1260,6 +1295,13 @@ class ArbiterMachine(RuleBasedStateMachine):
             items = getattr(faults, kind)
             faults = replace(faults, **{kind: items | {target} if value else items - {target}})
         self.faults = faults
+        self._write_host()
+
+    @rule(desktop=st.booleans(), release=st.booleans())
+    def screen(self, desktop: bool, release: bool) -> None:
+        """Someone logs in on gpu1 (a session display-manager.service opens) or logs
+        out; the operator sets gpu1's `screen` to "release" or back to "refuse"."""
+        self.faults = replace(self.faults, desktop=desktop, release_screen=release)
         self._write_host()
 
     # -- I5 ----------------------------------------------------------------------------------

@@ -783,13 +783,19 @@ def desktop(proc: Path, run: FakeRun, dev: Path, card: str = "card0") -> dict[st
     (PAMName=login, user charly-weston, uid 998) whose only process, weston, logind
     moved into session-2.scope, leaving the unit's own cgroup empty.  Its
     INVOCATION_ID is the unit's; session 2 is a wayland session on seat0 led by it.
-    Besides: the user's pipewire in user@998.service holding the render node, and a
-    system service rendering on the GPU (not the screen's)."""
+    Besides: logind and PID 1 holding the card for the session (TakeDevice, and the
+    fd store), the user's pipewire in user@998.service holding the render node, and
+    a system service rendering on the GPU (none of them the screen's but pipewire)."""
     invocation = "5b1f0c8e2a7d4c33a1c0de1e9f2b7a10"
     run.unit("charly-weston.service", invocation)
     run.unit("ollama.service", "0000000000000000000000000000beef")
     run.session("2", uid=998, user="charly-weston", leader=612)
+    card_fd = str(dev / "dri" / card)
     processes = {
+        "systemd": FakeProcess(1, "systemd", fds=(card_fd,), cgroup="/init.scope", ppid=0),
+        "logind": FakeProcess(
+            310, "systemd-logind", fds=(card_fd,), cgroup="/system.slice/systemd-logind.service"
+        ),
         "weston": FakeProcess(
             612,
             "weston",

@@ -279,3 +279,37 @@ def test_a_gpu_nobody_uses_drives_no_screen(tree):
 )
 def test_the_unit_of_a_cgroup(path: str, unit: str | None) -> None:
     assert unit_of_cgroup(path) == unit
+
+
+def test_detect_says_who_uses_each_gpus_screen_in_words_and_in_json(tree):
+    from charly_arbiter.host.detect import detect, document, render
+
+    kernel, proc, run, host = tree
+    desktop(proc, run, kernel.dev)
+    found = detect(host)
+    text = render(found)
+    assert (
+        "    gpu0 drives seat0: charly-weston.service, the wayland session of charly-weston, "
+        "uid 998 (session 2)"
+    ) in text
+    assert "    gpu1 drives no screen" in text
+    [boot] = [g for g in document(found)["gpus"] if g["address"] == BOOT]
+    assert boot["screen"]["display_manager"] == "charly-weston.service"
+    assert boot["screen"]["sessions"][0]["user"] == "charly-weston"
+    assert [p["pid"] for p in boot["screen"]["processes"]] == [612, 700]
+
+
+def test_a_service_holding_the_card_is_a_holder_but_a_kiosk_compositor_is_the_screen(tree):
+    """tests/kernel/test_systemd_units.py's card holder (a GPU service with card0 open,
+    as an inference server may have) is no one's screen; a kiosk's cage run by a unit
+    of its own, in no session, is, and its unit is the display manager."""
+    kernel, proc, _run, host = tree
+    card = str(kernel.dev / "dri/card1")
+    add_process(
+        proc, FakeProcess(500, "sleep", fds=(card,), cgroup="/system.slice/charly-card.service")
+    )
+    assert not screen(host, "gpu1").drives_screen
+    add_process(proc, FakeProcess(520, "cage", fds=(card,), cgroup="/system.slice/kiosk.service"))
+    use = screen(host, "gpu1")
+    assert [p.pid for p in use.processes] == [520]
+    assert use.display_manager == "kiosk.service"

@@ -120,6 +120,31 @@ def test_weston_holds_card0_in_a_logind_session_on_seat0(guest: Run) -> None:
     assert up["fbcon_bound"] is True and up["active_vt"] == "tty7"
 
 
+def test_the_local_host_reads_who_uses_the_screen_on_real_systemd(guest: Run) -> None:
+    """host/screen.py on the real thing: weston, in session-N.scope (its unit's own
+    cgroup empty), is charly-weston.service's by the leader's INVOCATION_ID; the
+    session is wayland on seat0 of charly-weston; bochs-drm is the boot display with
+    fbcon on it.  Once the display manager is stopped, only those remain."""
+    desktop = guest.scenario("desktop")
+    up = desktop["screen_up"]
+    assert up["display_manager"] == "charly-weston.service", up
+    [session] = up["sessions"]
+    assert (session["seat"], session["type"], session["user"]) == (
+        "seat0",
+        "wayland",
+        "charly-weston",
+    ), up
+    assert session["display_manager"] == "charly-weston.service", up
+    westons = [p for p in up["processes"] if p["comm"] == "weston"]
+    assert westons and all("card0" in p["nodes"] for p in westons), up
+    assert all(p["unit"].startswith("session-") for p in westons), up
+    assert up["text"].startswith("gpu drives seat0: charly-weston.service, the wayland session")
+    down = desktop["screen_down"]
+    assert (down["processes"], down["sessions"], down["display_manager"]) == ([], [], None), down
+    assert (up["boot_vga"], up["fbcon"]) == (down["boot_vga"], down["fbcon"]), (up, down)
+    print(f"screen read in {up['seconds']} s: {up['text']}")
+
+
 def test_an_inhibitor_lock_is_listed(guest: Run) -> None:
     desktop = guest.scenario("desktop")
     assert {
