@@ -88,6 +88,22 @@ class TokenStatus:
 
 
 @dataclass(frozen=True)
+class SleepStatus:
+    """The host's sleep locks (core/sleeplocks.py) as `status` shows them."""
+
+    policy: str = "block"  # `sleep`: block or allow
+    locks: tuple[tuple[str, str], ...] = ()  # (token, why): the locks the host holds now
+    # tokens of active exclusive leases that need a lock and have none (the host could
+    # not take it, or it was stopped from outside: `restore` takes it again)
+    missing: tuple[str, ...] = ()
+    unavailable: str = ""  # why this host cannot hold a lock at all (no systemd)
+
+    def lock_of(self, token: str) -> str | None:
+        """What the token's lock says, if the host holds one."""
+        return dict(self.locks).get(token)
+
+
+@dataclass(frozen=True)
 class Status:
     leases: tuple[Lease, ...]
     tokens: tuple[TokenStatus, ...]
@@ -98,6 +114,7 @@ class Status:
     # The highest generation the history recorded, when the ledger is behind it (it
     # was deleted or replaced by an older or an empty one); None when it is not.
     history_generation: int | None = None
+    sleep: SleepStatus = SleepStatus()
 
 
 def rollback_found(generation: int, recorded: int) -> str:
@@ -650,6 +667,7 @@ class Arbiter:
             )
         behind = reading.state is not None and recorded > state.generation
         return Status(
+            sleep=self._sleep_status(state),
             leases=state.leases,
             tokens=tuple(tokens),
             stranded=tuple(sorted(stranded)),
@@ -657,6 +675,22 @@ class Arbiter:
             corrupt=str(reading.corrupt) if reading.corrupt else None,
             boot_id=self.host.boot_id(),
             history_generation=recorded if behind else None,
+        )
+
+    def _sleep_status(self, state: LedgerState) -> SleepStatus:
+        """The host's sleep locks against what the leases need."""
+        unavailable = self.host.sleep_lock_unavailable() or ""
+        try:
+            held = dict(self.host.inhibitors())
+        except ArbiterError as error:
+            log.warning("cannot list the sleep locks for status: %s", error)
+            held, unavailable = {}, unavailable or str(error)
+        need = sleeplocks.wanted(state, self.config.sleep)
+        return SleepStatus(
+            policy=str(self.config.sleep),
+            locks=tuple(sorted(held.items())),
+            missing=tuple(sorted(token for token, why in need.items() if held.get(token) != why)),
+            unavailable=unavailable,
         )
 
     def _users(

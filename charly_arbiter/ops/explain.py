@@ -248,6 +248,7 @@ def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list
         sentences.append(f"The switch of {_and(pending)} to {target} was planned but not done.")
     if pending and lease.state is LeaseState.RELEASING:
         sentences.append(f"{_and(pending)} had still to be sent home.")
+    sentences += _sleep(lease, facts)
     if lease.claimant in facts.status.stranded:
         sentences.append(
             f"The lease of {lease.claimant} is stranded: {stranded_why(lease, facts.boot_id)}. "
@@ -258,6 +259,33 @@ def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list
         by = f" by process {lease.owner.pid}" if lease.owner else ""
         sentences.append(f"{who[0].upper()}{who[1:]} is {lease.state} right now{by}.")
     return sentences
+
+
+def _sleep(lease: Lease, facts: Facts) -> list[str]:
+    """Whether the host may suspend while the lease passes its GPUs through."""
+    if lease.mode is not Mode.EXCLUSIVE or lease.is_operation:
+        return []
+    sleep = facts.status.sleep
+    held = [f'"{why}"' for token in lease.tokens if (why := sleep.lock_of(token)) is not None]
+    if held:
+        return [
+            "Sleep is blocked while it is passed through: a logind inhibitor lock (what "
+            f"sleep, who charly-arbiter) says {_and(held)}; it is let go when the lease "
+            "is released."
+        ]
+    missing = [token for token in lease.tokens if token in sleep.missing]
+    if missing:
+        cause = lease.sleep_lock_error or sleep.unavailable or "its lock is not held"
+        return [
+            f"Sleep is NOT blocked while {_and(missing)} {'is' if len(missing) == 1 else 'are'} "
+            f"passed through: {cause}; the host may suspend under {lease.claimant}, which "
+            f"would lose its GPU. Fix: once the host can hold the lock (systemd running), run "
+            f"{cli_command('restore', '--stranded')}, which takes it; or set "
+            '`sleep = "allow"` in arbiter.toml to accept it.'
+        ]
+    if sleep.policy == "allow" and lease.state is LeaseState.ACTIVE:
+        return ['Sleep is allowed while it is passed through (`sleep = "allow"`).']
+    return []
 
 
 def stranded_why(lease: Lease, boot_id: str) -> str:
