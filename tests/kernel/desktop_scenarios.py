@@ -80,9 +80,12 @@ LIBVIRT_UNITS = (
     "virtlockd-admin.socket",
 )
 # Kill points of the claim after its first stop (acquire.stop#1 comes before any: the
-# simulated host covers it, with the intent), and every one of the release's.
+# simulated host covers it, with the intent), and the release's.  release.switch is
+# left to the simulated host and the explorer: what it leaves is release.intent's (the
+# pair on vfio-pci, the display manager stopped) less the sleep lock, let go just
+# before it; a kill point costs this suite a claim and a restore, half a minute.
 CLAIM_POINTS_AFTER_STOPS = ("acquire.switch", "acquire.active")
-RELEASE_POINTS = ("release.intent", "release.switch", "release.start", "release.restored")
+RELEASE_POINTS = ("release.intent", "release.start", "release.restored")
 SCENARIO_SECONDS = {"screen_crash_claim": 420, "screen_crash_release": 480}
 BACK_SECONDS = 150  # the display manager back, weston holding card0 (TCG, one vCPU)
 
@@ -229,7 +232,7 @@ def timed(s: Any, name: str, began: float) -> float:
 def wait(s: Any, name: str, predicate: Callable[[], bool], seconds: float) -> bool:
     """Wait for `predicate`, recording how long it took (None: it never held)."""
     began = time.monotonic()
-    held = wait_for(predicate, seconds, step=0.25)
+    held = wait_for(predicate, seconds, step=0.5)
     s.out.setdefault("waits", {})[name] = round(time.monotonic() - began, 2) if held else None
     return held
 
@@ -257,7 +260,7 @@ def ensure_desktop(s: Any, label: str) -> None:
         s.out.setdefault("cleanup", []).append(cli("restore"))
     if not desktop_back():
         s.out.setdefault("cleanup", []).append(systemctl("start", DM, timeout=180))
-    s.out.setdefault("ready", {})[label] = wait_for(desktop_back, BACK_SECONDS, step=0.25)
+    s.out.setdefault("ready", {})[label] = wait_for(desktop_back, BACK_SECONDS, step=0.5)
 
 
 def scenario_screen_setup(s: Any) -> None:
@@ -369,7 +372,7 @@ def crash_and_restore(s: Any, point: str, release: bool) -> None:
     restoring = time.monotonic()
     record["restore"] = cli("restore")
     wait_for(released, 60)
-    record["back"] = wait_for(desktop_back, BACK_SECONDS, step=0.25)
+    record["back"] = wait_for(desktop_back, BACK_SECONDS, step=0.5)
     wait_for(lambda: not arbiter_locks(), 30)
     record["seconds"] = round(time.monotonic() - began, 2)
     record["restore_to_desktop"] = round(time.monotonic() - restoring, 2)
