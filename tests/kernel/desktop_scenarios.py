@@ -237,6 +237,17 @@ def wait(s: Any, name: str, predicate: Callable[[], bool], seconds: float) -> bo
     return held
 
 
+class StartFailed(Exception):
+    """`virsh start` failed where the scenario needs the VM running: waiting for what
+    follows would only spend the suite's minutes (the runner records this, and the
+    tests show it)."""
+
+
+def started(result: dict[str, Any]) -> None:
+    if result["rc"] != 0:
+        raise StartFailed(f"virsh start {VM} exited {result['rc']}: {result['stderr'].strip()}")
+
+
 def released() -> bool:
     """No detached release at work, the pair home."""
     return not chain.finish_release_running() and sysfacts.drivers() == sysfacts.HOME
@@ -311,6 +322,7 @@ def scenario_screen_release(s: Any) -> None:
     began = time.monotonic()
     s.out["start"] = chain.virsh("start", VM)
     timed(s, "start_to_running", began)
+    started(s.out["start"])
     wait(s, "qemu_holds_vfio", lambda: bool(domain()["qemu_vfio"]), 30)
     step(s, "running", inhibit_list=inhibit_list())
     LAST_CLAIM[:] = lease_records()
@@ -410,6 +422,7 @@ def scenario_screen_dm_fails(s: Any) -> None:
     s.out["gettys_before"] = gettys()
     step(s, "before")
     s.out["start"] = chain.virsh("start", VM)
+    started(s.out["start"])
     FAILING.parent.mkdir(parents=True, exist_ok=True)
     FAILING.write_text(FAILING_DROPIN)
     s.out["reload"] = systemctl("daemon-reload")
