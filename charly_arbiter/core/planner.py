@@ -585,7 +585,8 @@ def refuse_screen(claimant: Claimant, token: TokenSpec, use: ScreenUse | None) -
             f"the boot display; passing it through would end that ({use.describe()})"
         )
     else:
-        why = f"{use.describe()}; passing it through would end that desktop"
+        draws = f"; {compositor.describe()} draws on it" if compositor.session else ""
+        why = f"{use.describe()}{draws}; passing it through would end that desktop"
     stops = ", ".join(
         [
             *([use.display_manager] if use.display_manager else []),

@@ -887,7 +887,7 @@ def test_the_refusal_names_the_display_manager_the_session_and_the_user():
         "libvirt:win11 cannot claim gpu0 (0000:0a:00.0): gpu0 drives seat0: gdm.service, "
         "the wayland session of alice, uid 1000 (session 3), the user units "
         "user@1000.service: pipewire.service; it is the boot display; the text console runs "
-        "on it; passing it through would end that desktop"
+        "on it; gnome-shell (pid 912) draws on it; passing it through would end that desktop"
     )
     assert (error.holder, error.users) == ("gdm.service", ("alice (uid 1000)",))
     assert 'set `screen = "release"` for gpu0' in (error.hint or "")
