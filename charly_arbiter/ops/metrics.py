@@ -111,7 +111,7 @@ class _Collector:
         yield sleep
         yield GaugeMetricFamily(
             f"{PREFIX}_sleep_locks_missing",
-            'Passed-through tokens whose sleep lock is not held (no systemd, or stopped from '
+            "Passed-through tokens whose sleep lock is not held (no systemd, or stopped from "
             'outside) although sleep = "block".',
             value=len(status.sleep.missing),
         )

@@ -124,8 +124,10 @@ WORKFLOW_STEPS = (
     "acquire.intent",
     "acquire.stop",
     "acquire.switch",
+    "acquire.sleep",
     "acquire.active",
     "release.intent",
+    "release.sleep",
     "release.switch",
     "release.start",
     "release.restored",
@@ -227,6 +229,7 @@ class MLease:
     boot: int
     records: tuple[Rec, ...] = ()
     steps: tuple[tuple[str, StepState], ...] = ()  # token -> its switch, while one is due
+    locks: frozenset[str] = frozenset()  # the tokens whose sleep lock it records
 
     def step(self, token: str) -> StepState | None:
         return dict(self.steps).get(token)
@@ -262,6 +265,7 @@ class World:
     poisoned: frozenset[str] = frozenset()
     boot: int = 0
     vfs: int = 2  # the PF's VF count: vf0 exists while it is at least 1
+    locked: frozenset[str] = frozenset()  # the tokens whose sleep lock the host holds
 
     def lease(self, claimant: str) -> MLease | None:
         return next((lease for lease in self.leases if lease.claimant == claimant), None)
@@ -660,6 +664,11 @@ def model_acquire(run: Run, claimant: str, mode: Mode, tokens: tuple[str, ...]) 
         run.context = failed
         model_finish(run, claimant)
         return ("failed", failed)
+    if mode is EXCLUSIVE:
+        # Its sleep locks (core/sleeplocks.py): recorded, then taken, then active.
+        run.put(replace(current(run, claimant), locks=frozenset(tokens)))
+        run.mark("acquire.sleep")
+        run.set(replace(run.world, locked=run.world.locked | frozenset(tokens)))
     run.put(replace(current(run, claimant), state=ACTIVE))
     run.mark("acquire.active")
     return ("granted", planned, frozenset(plan.preempted))
@@ -722,6 +731,11 @@ def model_finish(run: Run, claimant: str) -> bool:
     lease = replace(lease, state=RELEASING, steps=tuple(sorted(steps)))
     run.set(world.put(lease))
     run.mark("release.intent")
+    if lease.locks:
+        # Its sleep locks go as the release begins, before its tokens go home.
+        run.mark("release.sleep")
+        run.set(replace(run.world, locked=run.world.locked - lease.locks))
+        run.put(replace(current(run, claimant), locks=frozenset()))
     home = [t for t, step in steps if step is PLANNED]
     for token in run.order(f"home {claimant}", home):
         if token not in run.world.poisoned and token in run.world.vfio:
@@ -833,7 +847,34 @@ def model_restore(run: Run, named: tuple[str, ...] | None = None, force: bool = 
             return ("refused", frozenset({"claimant-runs"}))
     for claimant in targets:
         model_finish(run, claimant)
+    model_converge_sleep_locks(run)
     return ("restored", targets)
+
+
+def model_converge_sleep_locks(run: Run) -> None:
+    """`restore` ends with the host's sleep locks those the active exclusive leases
+    need: recorded first, then taken or let go, then the rest forgotten."""
+    world = run.world
+    need = {
+        token
+        for lease in world.leases
+        if lease.state is ACTIVE and lease.mode is EXCLUSIVE
+        for token in lease.tokens
+    }
+    owner = {
+        token: lease.claimant
+        for lease in world.leases
+        if lease.state is ACTIVE and lease.mode is EXCLUSIVE
+        for token in lease.tokens
+    }
+    for token in sorted(need):
+        lease = current_of(world, owner[token])
+        world = world.put(replace(lease, locks=lease.locks | {token}))
+    run.set(world)
+    run.set(replace(run.world, locked=frozenset(need)))
+    for lease in run.world.leases:
+        if lease.locks - need:
+            run.put(replace(lease, locks=lease.locks & frozenset(need)))
 
 
 def model_count(run: Run, count: int) -> Outcome:
@@ -868,6 +909,7 @@ class Obs:
     drivers: tuple[tuple[str, str], ...]
     down: frozenset[str]
     poisoned: frozenset[str]
+    locked: frozenset[str]  # the tokens whose sleep lock the host holds
 
 
 def observe_model(world: World) -> Obs:
@@ -881,6 +923,7 @@ def observe_model(world: World) -> Obs:
                 lease.boot != world.boot,
                 frozenset(t for t in lease.tokens if lease.holds(t)),
                 frozenset(lease.records),
+                lease.locks,
             )
             for lease in world.leases
         ),
@@ -893,6 +936,7 @@ def observe_model(world: World) -> Obs:
         + (((VF1, HOME[VF1]),) if world.vfs >= 2 else ()),
         down=world.down & frozenset(REFS),
         poisoned=world.poisoned,
+        locked=world.locked,
     )
 
 
@@ -909,7 +953,10 @@ def observe_real(state: LedgerState, snapshot: dict[str, Any]) -> Obs:
             for r in lease.unrestored()
         )
         old = lease.boot_id != snapshot["boot_id"]
-        leases.add((lease.claimant, lease.mode, lease.tokens, lease.state, old, held, records))
+        locks = frozenset(lease.sleep_locks)
+        leases.add(
+            (lease.claimant, lease.mode, lease.tokens, lease.state, old, held, records, locks)
+        )
     running = snapshot["running"]
     return Obs(
         leases=frozenset(leases),
@@ -920,6 +967,7 @@ def observe_real(state: LedgerState, snapshot: dict[str, Any]) -> Obs:
         ),
         down=frozenset(ref for ref in REFS if not running.get(ref, snapshot["unknown_alive"])),
         poisoned=frozenset(token for token, _ in state.poisoned),
+        locked=frozenset(snapshot.get("sleep_locks", {})),
     )
 
 
@@ -1276,7 +1324,12 @@ class ArbiterMachine(RuleBasedStateMachine):
         # The VFs are gone with the old boot (the reconcile unit makes them again).
         self.change(
             lambda world: replace(
-                world, boot=world.boot + 1, vfio=frozenset(), down=frozenset(CLAIMANTS), vfs=0
+                world,
+                boot=world.boot + 1,
+                vfio=frozenset(),
+                down=frozenset(CLAIMANTS),
+                vfs=0,
+                locked=frozenset(),  # a transient unit does not survive a reboot
             )
         )
         self.check("reboot")

@@ -213,6 +213,26 @@ def test_an_exclusive_claim_stops_the_unit_holding_card0_and_starts_it_again(gue
     assert released["pids"][us.HOLDER] != running["pids"][us.HOLDER]
 
 
+def test_an_exclusive_claim_holds_logind_s_sleep_lock_until_its_release(guest: Run) -> None:
+    """host/inhibit.py under the real systemd and logind: the transient unit runs
+    systemd-inhibit, logind lists the lock (what sleep, who charly-arbiter, mode block,
+    the why naming the claimant), and the release stops the unit and ends the lock."""
+    record = guest.scenario("claim_stops_units")
+    claimed, released = (steps(record)[k] for k in ("claimed", "released"))
+    why = f"gpu is passed through to {record['claimant']}"
+    ours = [i for i in claimed["inhibitors"] if i["who"] == "charly-arbiter"]
+    assert len(ours) == 1, claimed["inhibitors"]
+    assert {"what": "sleep", "who": "charly-arbiter", "why": why, "mode": "block"}.items() <= (
+        ours[0].items()
+    )
+    assert claimed["lock_unit"]["ActiveState"] == "active"
+    assert claimed["lock_unit"]["Description"] == why
+    assert why in claimed["inhibit_list"]["stdout"]
+    assert [lease["sleep_locks"] for lease in claimed["ledger"]["leases"]] == [["gpu"]]
+    assert [i for i in released["inhibitors"] if i["who"] == "charly-arbiter"] == []
+    assert released["lock_unit"]["LoadState"] == "not-found"
+
+
 def test_only_the_claimed_gpus_instance_of_a_per_gpu_service_stops(guest: Run) -> None:
     """The per-GPU template stands in for NVIDIA's per-GPU persistence (nvidia-persistenced
     and nvidia-smi cannot run here): the claimed GPU's instance is stopped and started

@@ -319,10 +319,24 @@ def scenario_claim_stops_units(s: Any) -> None:
     with claimant() as me:
         s.out["claimant"] = me
         s.out["acquire"] = cli("acquire", "--exclusive", me, "gpu")
-        s.step("claimed", pids=main_pids(*units))
+        # The pair is passed through: logind's sleep lock, held by its transient unit.
+        s.step(
+            "claimed",
+            pids=main_pids(*units),
+            inhibitors=sysfacts.inhibitors(),
+            inhibit_list=sysfacts.run(["/usr/bin/systemd-inhibit", "--list", "--no-pager"]),
+            lock_unit=sysfacts.unit(
+                "charly-arbiter-inhibit-gpu.service", ("ActiveState", "Description", "MainPID")
+            ),
+        )
         s.out["release"] = cli("release", "--force", me)
         wait_for(lambda: all(holding_card(u) for u in (HOLDER, mine, DRAINED)), 20)
-        s.step("released", pids=main_pids(*units))
+        s.step(
+            "released",
+            pids=main_pids(*units),
+            inhibitors=sysfacts.inhibitors(),
+            lock_unit=sysfacts.unit("charly-arbiter-inhibit-gpu.service", ("LoadState",)),
+        )
     s.out["journals"] = sysfacts.journals_of(units)
     stop(s, *units)
     for unit in units:
