@@ -80,11 +80,13 @@ LIBVIRT_UNITS = (
     "virtlockd-admin.socket",
 )
 # Kill points of the claim after its first stop (acquire.stop#1 comes before any: the
-# simulated host covers it, with the intent), and the release's.  release.switch is
-# left to the simulated host and the explorer: what it leaves is release.intent's (the
-# pair on vfio-pci, the display manager stopped) less the sleep lock, let go just
-# before it; a kill point costs this suite a claim and a restore, half a minute.
-CLAIM_POINTS_AFTER_STOPS = ("acquire.switch", "acquire.active")
+# simulated host covers it, with the intent), and the release's: each leaves the host
+# in a state of its own.  release.sleep and release.switch are left to the simulated
+# host and the explorer: they leave what release.intent leaves (the pair on vfio-pci,
+# the display manager stopped), with the sleep lock held (release.sleep) or let go
+# just before (release.switch); a kill point costs this suite a claim and a restore,
+# a quarter to half a minute.
+CLAIM_POINTS_AFTER_STOPS = ("acquire.switch", "acquire.sleep", "acquire.active")
 RELEASE_POINTS = ("release.intent", "release.start", "release.restored")
 SCENARIO_SECONDS = {"screen_crash_claim": 420, "screen_crash_release": 480}
 BACK_SECONDS = 150  # the display manager back, weston holding card0 (TCG, one vCPU)
