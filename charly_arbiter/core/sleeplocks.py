@@ -19,7 +19,10 @@ tokens go home (a token recorded by a lease is never held by another).
 `decide_sleep_locks` is what `restore` converges to: the locks the active
 exclusive leases need, each saying its own why; a lock nobody needs is let go,
 unless the lease recording it is being carried out by a live process (its
-claim takes it, or its release lets it go, in a moment).
+claim takes it, or its release lets it go, in a moment).  A lock no lease records
+at all (none of the arbiter's steps leaves one: I6) is let go as nobody's; one a
+claim beginning at that very moment takes for the same token could be let go with
+it, which the next `restore` puts right.
 """
 
 from __future__ import annotations
@@ -53,12 +56,7 @@ def blocks_sleep(mode: Mode, claimant: Claimant, policy: SleepPolicy) -> bool:
 def wanted(state: LedgerState, policy: SleepPolicy) -> dict[str, str]:
     """token -> why, for every lock the leases need now: one per token of an active
     exclusive lease (none with `sleep = "allow"`)."""
-    return {
-        token: lock_why(token, lease.claimant)
-        for lease in state.leases
-        if lease.state is LeaseState.ACTIVE and blocks_sleep(lease.mode, lease.claimant, policy)
-        for token in lease.tokens
-    }
+    return {token: lock_why(token, claimant) for token, claimant in _needing(state, policy).items()}
 
 
 def recorded(state: LedgerState) -> dict[str, Claimant]:
@@ -157,6 +155,7 @@ def decide_sleep_locks(
 
 
 def _needing(state: LedgerState, policy: SleepPolicy) -> dict[str, Claimant]:
+    """token -> the active exclusive lease that needs its lock."""
     return {
         token: lease.claimant
         for lease in state.leases
