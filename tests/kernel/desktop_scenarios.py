@@ -17,8 +17,9 @@ TCG domain chain-a, whose two managed hostdevs are the pair 00:02.0 + 00:02.1.
   logind lists the arbiter's sleep lock; `virsh destroy` brings the pair home,
   fbcon back, the display manager active and weston holding card0 again, no lock;
 - screen_crash_claim / screen_crash_release: the arbiter killed (SIGKILL, its own
-  crash points) at every step of the claim and of the release that comes after
-  something was stopped, then `charly-arbiter restore`: the same end state;
+  crash points) at each step of the claim and of the release that comes after
+  something was stopped and leaves a state of its own (CLAIM_POINTS_AFTER_STOPS,
+  RELEASE_POINTS), then `charly-arbiter restore`: the same end state;
 - screen_dm_fails: a display manager made to fail at start (a drop-in, added while
   the VM runs, whose ExecStartPre fails, with Restart=always as gdm has it): the
   release ends on a text login (a getty, with getty@tty1 stopped before as a
