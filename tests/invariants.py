@@ -124,12 +124,12 @@ def violations(state: LedgerState, host: HostFacts) -> list[str]:
     for lease in state.leases:
         for record in lease.stopped:
             if not record.restored:
-                records.setdefault(record.holder, []).append(lease.claimant)
+                records.setdefault(same_unit(record.holder), []).append(lease.claimant)
     for holder, leases in sorted(records.items()):
         if len(leases) > 1:
             found.append(f"I3: {holder} is recorded as stopped by {len(leases)} leases: {leases}")
     for holder in sorted(host.expected_running):
-        if not host.running.get(holder, False) and holder not in records:
+        if not host.running.get(holder, False) and same_unit(holder) not in records:
             found.append(f"I3: {holder} is stopped, and no lease records it")
     found += sleep_lock_violations(state, host.sleep_locks)
     return found
@@ -159,6 +159,14 @@ def sleep_lock_violations(state: LedgerState, locks: Mapping[str, str]) -> list[
         elif why != f"{token} is passed through to {claimants[0]}":
             found.append(f"I6: {token}'s sleep lock says {why!r}, but {claimants[0]} records it")
     return found
+
+
+def same_unit(holder: str) -> str:
+    """One name for one unit: a display manager (`display-manager:UNIT`, issue 19's
+    `screen = "release"`) is the system unit `systemd:UNIT` a host may list as a holder
+    too, whichever name a lease recorded it by."""
+    kind, _, name = holder.partition(":")
+    return f"systemd:{name}" if kind == "display-manager" else holder
 
 
 def assert_invariants(state: LedgerState, host: HostFacts, context: object = "") -> None:

@@ -212,3 +212,29 @@ def session(
     if display_manager:
         lines.append(f'display_manager = "{display_manager}"')
     return "\n".join(lines) + "\n"
+
+
+def desktop(
+    address: str = "0000:0a:00.0",
+    *,
+    display_manager: str = "gdm.service",
+    sessions: Sequence[tuple[str, int, str]] = (("3", 1000, "alice"),),
+    user_units: Sequence[str] = ("org.gnome.Shell@wayland.service",),
+    extra: str = "",
+) -> str:
+    """A desktop drawn on the GPU at `address` (`[[screens]]`): its display manager,
+    the sessions it opened (id, uid, user) and user units of their user that hold the
+    card; `extra` adds fault lines (`fail_start = true`: the display manager does not
+    come up)."""
+    lines = [
+        "[[screens]]",
+        f'address = "{address}"',
+        f'display_manager = "{display_manager}"',
+        "sessions = ["
+        + ", ".join(f'{{ id = "{i}", uid = {uid}, user = "{user}" }}' for i, uid, user in sessions)
+        + "]",
+        "user_units = [" + ", ".join(f'"{unit}"' for unit in user_units) + "]",
+    ]
+    if extra:
+        lines.append(extra.rstrip("\n"))
+    return "\n".join(lines) + "\n"

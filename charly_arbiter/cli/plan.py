@@ -317,7 +317,14 @@ def render_release(result: ReleasePlan) -> str:
         if comeback.way is ComebackWay.START:
             shared = back.get(holder, ())
             with_lease = f", with its shared lease on {', '.join(shared)}" if shared else ""
-            lines.append(f"  start {holder} again{with_lease}")
+            check = (
+                ", and check that it draws on its GPU (else a text login on the console)"
+                if holder.kind is HolderKind.DISPLAY_MANAGER
+                else ""
+            )
+            lines.append(f"  start {holder} again{with_lease}{check}")
+        elif comeback.way is ComebackWay.ENDED:
+            lines.append(f"  {holder} is not started again: {comeback.why}")
         elif comeback.way is ComebackWay.LEFT:
             lines.append(f"  leave {holder} to {comeback.to}, which stopped it too")
         else:

@@ -25,6 +25,7 @@ from charly_arbiter.core.liveness import claimant_liveness, claimant_runs, stran
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
+    HolderKind,
     Lease,
     LeaseState,
     LedgerState,
@@ -419,6 +420,7 @@ class Arbiter:
         return state.with_lease(lease)
 
     def _stop_holders(self, claimant: Claimant, plan: ClaimPlan) -> None:
+        self._tell_sessions(claimant, plan)
         for step in plan.stops:
             self.events.emit(
                 EventKind.STOPPING, claimant=claimant, holder=step.holder, how=step.how
@@ -431,6 +433,28 @@ class Arbiter:
             self.events.emit(
                 EventKind.PREEMPTED, claimant=claimant, holder=step.holder, how=step.how
             )
+
+    def _tell_sessions(self, claimant: Claimant, plan: ClaimPlan) -> None:
+        """Before anything of a screen is stopped: tell the people in its sessions why,
+        and give them `timeouts.screen_grace` (their desktop is still up: a shell that
+        runs as a user unit goes first)."""
+        sessions = [
+            step.holder
+            for step in plan.stops
+            if step.holder.kind is HolderKind.SESSION and self.host.is_running(step.holder)
+        ]
+        if not sessions:
+            return
+        grace = self.config.timeouts.screen_grace
+        message = (
+            f"{', '.join(plan.tokens)} is given to {claimant}: this session ends in "
+            f"{grace:g} s. Save your work; the login screen comes back when {claimant} "
+            "gives the GPU back."
+        )
+        for session in sessions:
+            self.events.emit(EventKind.TOLD, claimant=claimant, holder=session, seconds=grace)
+        self.host.tell(sessions, message)
+        time.sleep(grace)
 
     def _record_stop(self, claimant: Claimant, holder: Claimant, step: StepState) -> None:
         with self.ledger.transaction() as txn:

@@ -74,6 +74,11 @@ class Timeouts:
     holder_drain: float = 30.0
     # How long a release waits for a holder's `ready` command to succeed.
     holder_ready: float = 120.0
+    # `screen = "release"`: how long the people in a graphical session have, once told
+    # why, before it ends; and how long the display manager has, started again, to be
+    # active with a process holding the GPU's card before it counts as failed.
+    screen_grace: float = 5.0
+    screen_back: float = 60.0
 
 
 MAX_SECONDS = 86400.0  # no timeout is longer than a day

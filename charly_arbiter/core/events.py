@@ -49,6 +49,8 @@ class EventKind(StrEnum):
     MIG_DONE = "mig-done"
     VF_COUNT = "vf-count"
     VF_COUNTED = "vf-counted"
+    TOLD = "told"
+    SESSION_ENDED = "session-ended"
     SLEEP_BLOCKED = "sleep-blocked"
     SLEEP_ALLOWED = "sleep-allowed"
     SLEEP_LOCK_FAILED = "sleep-lock-failed"
@@ -150,6 +152,13 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
         EventKind.STARTING: lambda: f"{claimant}: starting {holder} again",
         EventKind.RESTORED: lambda: f"{claimant}: {holder} runs again",
         EventKind.RESTORE_FAILED: lambda: f"{claimant}: could not start {holder} again: {why}",
+        EventKind.TOLD: lambda: (
+            f"{claimant}: told {holder} why it ends, {get('seconds', '?')} s before it does"
+        ),
+        EventKind.SESSION_ENDED: lambda: (
+            f"{claimant}: {holder} is not started again (a session cannot be); "
+            "the display manager's login screen takes its place"
+        ),
         EventKind.POISON_CLEARED: lambda: f"the poison of {token} was cleared",
         EventKind.MISMATCH: lambda: (
             (f"{get('token')}: " if get("token") else "") + get("found", "?")

@@ -561,6 +561,12 @@ class Host(Protocol):
         user units (a snapshot, read again before every claim)."""
         ...
 
+    def tell(self, sessions: Sequence[Claimant], message: str) -> None:
+        """Tell the people in these logind sessions (`session:ID`) why their session is
+        about to end (a notification on their desktop, a line on their terminal); best
+        effort, within a few seconds: it never raises."""
+        ...
+
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         """What keeps the token from being passed through (no IOMMU, no vfio-pci,
         an IOMMU group shared with other devices), checked before anything is

@@ -11,8 +11,16 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from charly_arbiter.core.events import a_or_an
-from charly_arbiter.core.host import NO_DRIVER, Blocker, DeviceUser, Holder, ScreenUse, TokenSpec
+from charly_arbiter.core.host import (
+    NO_DRIVER,
+    Blocker,
+    DeviceUser,
+    Holder,
+    ScreenUse,
+    TokenSpec,
+)
 from charly_arbiter.core.model import (
+    SCREEN_KINDS,
     VFIO,
     Claimant,
     HolderKind,
@@ -25,6 +33,7 @@ from charly_arbiter.core.model import (
     StoppedHolder,
     blocks_token,
     human_time,
+    user_unit,
 )
 from charly_arbiter.core.vfs import refuse_by_relation
 from charly_arbiter.core.vgpu import vgpu_target_of
@@ -203,9 +212,11 @@ def decide_claim(
     `in_place` is an exclusive claim that leaves the GPU on its driver (the
     arbiter's own MIG change): it stops every holder, as any exclusive claim
     does, and switches nothing.  `screens` says who uses each token's screen (a
-    snapshot, as `holders` is): an exclusive claim that would take a screen from
-    its display manager, its sessions or a compositor is refused, naming them,
-    unless the token's `screen` is "release" (`refuse_screen`).
+    snapshot, as `holders` is), and the token's `screen` what an exclusive claim
+    that passes it through does with them: "refuse" refuses it, naming the display
+    manager, its sessions or a compositor (`refuse_screen`); "release" stops them,
+    last and each recorded first (`screen_stops`).  A screen with only the boot
+    display or the console on it is the console policy's either way.
     """
     names = tuple(token.name for token in tokens)
     for token in tokens:
@@ -329,13 +340,16 @@ def decide_claim(
                 hint=f"bring it home first ({cli_command('status')} shows what holds it)",
             )
     if mode is Mode.EXCLUSIVE:
+        # The screens this claim takes: those of the GPUs it passes through (a claim in
+        # place and a vGPU leave their GPU, and its screen, on its driver).
+        seen: Mapping[str, ScreenUse] = {} if in_place else screens or {}
+        used = {t.name: seen[t.name] for t in passed if t.name in seen}
+        used = {name: use for name, use in used.items() if use.drives_screen}
+        holders, screen = screen_stops(passed, used, holders)
         plan = _decide_exclusive(
-            ledger, claimant, tokens, holders, stranded, transient, policy, vgpu_targets
+            ledger, claimant, tokens, holders, stranded, transient, policy, vgpu_targets, screen
         )
-        if in_place:
-            return replace(plan, switches=())
-        used = {t.name: (screens or {})[t.name] for t in passed if t.name in (screens or {})}
-        return replace(plan, screens={n: u for n, u in used.items() if u.drives_screen})
+        return replace(plan, switches=()) if in_place else replace(plan, screens=used)
     return _decide_shared(ledger, claimant, tokens, holders, transient, policy)
 
 
@@ -348,6 +362,7 @@ def _decide_exclusive(
     transient: bool,
     policy: Policy,
     in_place: Mapping[str, str],
+    screen: Sequence[StopStep] = (),
 ) -> ClaimPlan:
     names = tuple(token.name for token in tokens)
     preempted: dict[Claimant, tuple[str, ...]] = {}
@@ -396,6 +411,10 @@ def _decide_exclusive(
         token = next(t for t in tokens if t.name in shared_tokens)
         _refuse_by_policy(ref, "", claimant, token, policy)
         stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens, shared_tokens))
+    for step in screen:  # (a nested hook's policy stops no screen either)
+        token = next(t for t in tokens if t.name in step.tokens)
+        _refuse_by_policy(step.holder, "", claimant, token, policy)
+    stops.extend(screen)  # last: the desktop stays up while the rest is stopped
 
     _refuse_stops_being_started(ledger, claimant, stops, tokens, stranded)
     # To vfio-pci; an NVIDIA vGPU VF stays on its driver and gets its type (`in_place`).
@@ -418,6 +437,81 @@ def _decide_exclusive(
         taken_over=tuple((lease, record.holder) for lease, record in taken_over),
         homes={token.name: home_map(ledger, token) for token in tokens},
     )
+
+
+SCREEN_HOW = {
+    HolderKind.SYSTEMD_USER: "systemctl --user stop",
+    HolderKind.SESSION: "told why, then loginctl terminate-session",
+    HolderKind.DISPLAY_MANAGER: "systemctl stop",
+}
+
+
+def screen_stops(
+    tokens: Sequence[TokenSpec], screens: Mapping[str, ScreenUse], holders: Sequence[Holder]
+) -> tuple[list[Holder], list[StopStep]]:
+    """What an exclusive claim stops to free the screens of its tokens that have
+    `screen = "release"`, and the holders left once those are taken out.
+
+    In order: the user units of the sessions' users that hold the GPU (a desktop's
+    shell may run as one, outside its session's scope), the sessions on it, the
+    display manager that opened them (`display-manager:UNIT`); each is recorded in
+    the lease before anything is stopped.  The screen's processes go with their
+    session or unit: their process holders are left out, and so is the display
+    manager listed as a systemd holder of these GPUs (it is stopped, and started
+    again, once).
+    A screen driven by the boot display or the framebuffer console alone stops
+    nothing: the host releases the console at the switch."""
+    stops: dict[Claimant, tuple[str, ...]] = {}
+    freed_pids: set[str] = set()
+    freed_units: set[str] = set()
+    for token in tokens:
+        use = screens.get(token.name)
+        if token.screen is not ScreenPolicy.RELEASE or use is None or not use.drives_screen:
+            continue
+        found: list[Claimant] = []
+        for process in use.processes:
+            unit = process.unit or ""
+            if unit.startswith(f"user@{process.uid}.service/"):
+                found.append(user_unit(process.uid, unit.rsplit("/", 1)[-1]))
+        for text in use.user_units:
+            owner, _, unit = text.partition(": ")
+            uid = owner.removeprefix("user@").removesuffix(".service")
+            if unit and uid.isdigit():
+                found.append(user_unit(int(uid), unit.strip()))
+        found += [Claimant.of(HolderKind.SESSION, session.id) for session in use.sessions]
+        managers = {
+            dm for dm in (use.display_manager, *(s.display_manager for s in use.sessions)) if dm
+        }
+        found += [Claimant.of(HolderKind.DISPLAY_MANAGER, dm) for dm in sorted(managers)]
+        for ref in found:
+            stops[ref] = tuple(dict.fromkeys((*stops.get(ref, ()), token.name)))
+        sessions = {session.id for session in use.sessions}
+        # Only a process that goes with what is stopped: one of nobody's session or
+        # unit (a display server started by hand) stays a holder of its own.
+        freed_pids |= {
+            str(process.pid)
+            for process in use.processes
+            if process.session in sessions
+            or (process.unit or "").startswith(f"user@{process.uid}.service/")
+            or process.unit in managers
+        }
+        freed_units |= managers | ({"display-manager.service"} if managers else set())
+    ordered = sorted(stops, key=lambda ref: SCREEN_KINDS.index(ref.kind))
+    steps = [StopStep(ref, SCREEN_HOW[ref.kind], tokens=stops[ref]) for ref in ordered]
+    if not steps:
+        return list(holders), []
+    released = {token for ref in ordered for token in stops[ref]}
+    left = [
+        holder
+        for holder in holders
+        if not (holder.ref.kind is HolderKind.PROCESS and holder.ref.name in freed_pids)
+        and not (
+            holder.ref.kind is HolderKind.SYSTEMD
+            and holder.ref.name in freed_units
+            and set(holder.tokens) <= released  # (the alias on another GPU is another's)
+        )
+    ]
+    return left, steps
 
 
 def _take_over_pending_restarts(

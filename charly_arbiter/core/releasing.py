@@ -33,7 +33,7 @@ from charly_arbiter.core.release_planner import (
 )
 from charly_arbiter.core.switching import Switching
 from charly_arbiter.core.tokens import TokenCatalogue
-from charly_arbiter.errors import ArbiterError, SwitchFailed, cli_command
+from charly_arbiter.errors import ArbiterError, DisplayManagerFailed, SwitchFailed, cli_command
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +268,9 @@ class Releaser:
             if comeback.way is ComebackWay.WAIT:
                 log.warning("%s: %s stays stopped: %s", claimant, holder, comeback.why)
                 continue
+            if comeback.way is ComebackWay.ENDED:
+                self._ended(claimant, holder)
+                continue
             if comeback.way is not ComebackWay.START:
                 log.info("%s: %s stays stopped for %s", claimant, holder, comeback.to)
                 continue
@@ -276,13 +279,30 @@ class Releaser:
                 self._start(claimant, holder)
             except ArbiterError as error:
                 log.error("%s: could not restore %s: %s", claimant, holder, error)
+                screen = {}
+                if isinstance(error, DisplayManagerFailed):
+                    # What went wrong, and where the person in front of it can log in.
+                    screen = {"journal": "\n".join(error.journal), "console": error.console or ""}
                 self.events.emit(
-                    EventKind.RESTORE_FAILED, claimant=claimant, holder=holder, why=str(error)
+                    EventKind.RESTORE_FAILED,
+                    claimant=claimant,
+                    holder=holder,
+                    why=str(error),
+                    **screen,
                 )
                 with self.ledger.transaction() as txn:
                     txn.state = rules.apply_start_failed(txn.state, comeback)
                 continue
             self._came_back(comeback)
+
+    def _ended(self, claimant: Claimant, holder: Claimant) -> None:
+        """A session's record, dealt with: it runs still (the claim stopped half-way
+        before it), or it ended for good and says so."""
+        if self.host.is_running(holder):
+            self.events.emit(EventKind.RESTORED, claimant=claimant, holder=holder)
+            return
+        log.info("%s: %s is not started again: a session cannot be", claimant, holder)
+        self.events.emit(EventKind.SESSION_ENDED, claimant=claimant, holder=holder)
 
     def _start(self, claimant: Claimant, holder: Claimant) -> None:
         # A planned stop may have happened just before a crash: whatever is not

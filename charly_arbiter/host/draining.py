@@ -253,6 +253,9 @@ class Drained:
     def start(self, ref: Claimant) -> None:
         self.drains.start(ref, lambda: self.inner.start(ref), lambda: self.inner.is_running(ref))
 
+    def tell(self, sessions: Sequence[Claimant], message: str) -> None:
+        self.inner.tell(sessions, message)
+
     # -- the rest is the host's own ----------------------------------------------------
 
     def boot_id(self) -> str:

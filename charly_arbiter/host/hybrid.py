@@ -125,6 +125,9 @@ class HybridHost:
         else:
             self.sim.start(ref)
 
+    def tell(self, sessions: Sequence[Claimant], message: str) -> None:
+        self.sim.tell(sessions, message)
+
     def screen(self, token: TokenSpec) -> ScreenUse:
         return self.sim.screen(token)
 

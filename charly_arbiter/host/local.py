@@ -29,7 +29,14 @@ from charly_arbiter.core.host import (
     common_blocker,
     vgpu_type_of,
 )
-from charly_arbiter.core.model import VFIO, Claimant, ConsolePolicy, ProcessRef, target_label
+from charly_arbiter.core.model import (
+    SCREEN_KINDS,
+    VFIO,
+    Claimant,
+    ConsolePolicy,
+    ProcessRef,
+    target_label,
+)
 from charly_arbiter.errors import (
     CommandFailed,
     HostError,
@@ -45,6 +52,7 @@ from charly_arbiter.host.blocking import TimedOut, Writer, bounded, errno_text
 from charly_arbiter.host.console import Console
 from charly_arbiter.host.devnodes import device_functions
 from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory, known_owner
+from charly_arbiter.host.holders.desktop import DesktopHolders
 from charly_arbiter.host.holders.nvidia import NvidiaPersistence
 from charly_arbiter.host.holders.process import ProcessHolders
 from charly_arbiter.host.inhibit import SleepLocks
@@ -154,6 +162,7 @@ class LocalHost:
             config, self.sysfs, roots.proc, roots.dev, nvml_processes=self._nvml_processes
         )
         self.persistence = NvidiaPersistence(config)
+        self.desktop = DesktopHolders(config, roots)  # a screen's, when it is released
         # Processes (and the NVIDIA daemon's hold on a GPU) are this host's own; every
         # other kind comes from `sources`.
         own = (ProcessHolders.kind, NvidiaPersistence.kind)
@@ -400,6 +409,8 @@ class LocalHost:
             return self.processes
         if kind == NvidiaPersistence.kind:
             return self.persistence
+        if kind in SCREEN_KINDS:
+            return self.desktop
         return self.registry.for_ref(ref)
 
     def _nvml_processes(self) -> dict[str, frozenset[int]] | None:
@@ -420,6 +431,9 @@ class LocalHost:
 
     def start(self, ref: Claimant) -> None:
         self.source(ref).start(ref)
+
+    def tell(self, sessions: Sequence[Claimant], message: str) -> None:
+        self.desktop.tell(sessions, message)
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         """`nvidia-ctk cdi generate` after an NVIDIA GPU moved, either way: it lists

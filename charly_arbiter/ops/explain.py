@@ -18,6 +18,7 @@ from charly_arbiter.core.arbiter import Status, TokenStatus, rollback_found
 from charly_arbiter.core.events import EventKind, and_list, describe
 from charly_arbiter.core.host import Holder, ScreenUse
 from charly_arbiter.core.model import (
+    HolderKind,
     Lease,
     LeaseState,
     Mode,
@@ -249,7 +250,9 @@ def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list
     if pending and lease.state is LeaseState.RELEASING:
         sentences.append(f"{_and(pending)} had still to be sent home.")
     sentences += _sleep(lease, facts)
-    if lease.claimant in facts.status.stranded:
+    if lease.claimant in facts.status.stranded and _screen_not_back(lease):
+        sentences += _screen_story(lease, facts)
+    elif lease.claimant in facts.status.stranded:
         sentences.append(
             f"The lease of {lease.claimant} is stranded: {stranded_why(lease, facts.boot_id)}. "
             f"Fix: run {cli_command('restore', operands=[lease.claimant])} (it brings back "
@@ -258,6 +261,52 @@ def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list
     elif lease.state is not LeaseState.ACTIVE:
         by = f" by process {lease.owner.pid}" if lease.owner else ""
         sentences.append(f"{who[0].upper()}{who[1:]} is {lease.state} right now{by}.")
+    return sentences
+
+
+def _screen_not_back(lease: Lease) -> tuple[str, ...]:
+    """The display managers a finished release could not bring back (it tried: its
+    writer is gone and the record is still there, stopped)."""
+    if lease.state is not LeaseState.RELEASING or lease.owner is not None:
+        return ()
+    return tuple(
+        record.holder.name
+        for record in lease.unrestored()
+        if record.holder.kind is HolderKind.DISPLAY_MANAGER and record.state is StepState.DONE
+    )
+
+
+def _screen_story(lease: Lease, facts: Facts) -> list[str]:
+    """Finding F2: a kept lease whose display manager did not come back, what the person
+    in front of the screen has instead, what the journal said, and what to do."""
+    units = _screen_not_back(lease)
+    failures = [
+        r
+        for r in facts.history
+        if r.kind == EventKind.RESTORE_FAILED
+        and r.get("claimant") == lease.claimant
+        and r.get("holder").removeprefix(f"{HolderKind.DISPLAY_MANAGER}:") in units
+    ]
+    sentences = [
+        f"The lease of {lease.claimant} is stranded: {stranded_why(lease, facts.boot_id)}."
+    ]
+    if failures:
+        last = failures[-1]
+        console = last.get("console")
+        sentences.append(
+            f"At {_when(last.time, facts)}: {last.get('why')}"
+            + ("." if console else "; the console has no text login either.")
+        )
+        journal = [line for line in last.get("journal").splitlines() if line.strip()]
+        if journal:
+            sentences.append(f"Its journal ended with: {' / '.join(journal[-5:])}.")
+    unit = units[0]
+    sentences.append(
+        f"Fix: read `journalctl -u {unit}`, mend what it says, then run "
+        f"{cli_command('restore', operands=[lease.claimant])}: it starts {unit} again, "
+        "checks that it draws on the GPU, and drops the lease (your session itself is "
+        "gone: you get the login screen back, not what was open in it)."
+    )
     return sentences
 
 
@@ -292,6 +341,18 @@ def stranded_why(lease: Lease, boot_id: str) -> str:
     """Why a stranded lease will never end by itself, as a clause (`status --json` too)."""
     if lease.boot_id != boot_id:
         return "it was made before the last reboot"
+    units = _screen_not_back(lease)
+    away = [token for token, step in lease.switched if step is not StepState.DONE]
+    if units and away:
+        return (
+            f"the display manager {', '.join(units)} waits for {', '.join(away)}, which did "
+            "not come home"
+        )
+    if units:
+        return (
+            f"the display manager {', '.join(units)} did not come back when "
+            f"{', '.join(lease.tokens)} came home"
+        )
     if lease.state is not LeaseState.ACTIVE:
         writer = f" (pid {lease.owner.pid})" if lease.owner else ""
         return (

@@ -800,6 +800,7 @@ PIPEWIRE = ScreenProcess(
     950, "pipewire", 1000, ("renderD128",), None, "user@1000.service/app.slice/pipewire.service"
 )
 XORG = ScreenProcess(700, "Xorg", 0, ("card0",), None, "lightdm.service")
+WESTON = ScreenProcess(800, "weston", 0, ("card0",), None, None)
 SCREENS = {
     "unread": None,
     "nothing": ScreenUse("gpu0", False, False),
@@ -818,7 +819,43 @@ SCREENS = {
     "compositor": ScreenUse("gpu0", False, False, (SHELL,), (ALICE,), "gdm.service"),
     # A display server the display manager's unit runs itself (lightdm), no session.
     "server": ScreenUse("gpu0", False, True, (XORG,), (), "lightdm.service"),
+    # A display server started by hand: nobody's session, no display manager.
+    "stray": ScreenUse("gpu0", False, False, (WESTON,)),
+    # A desktop, and beside it that display server of nobody's.
+    "mixed": ScreenUse("gpu0", True, True, (SHELL, WESTON), (ALICE,), "gdm.service"),
 }
+# What `screen = "release"` stops of each, in order (user units, sessions, the display
+# manager), and the holders that go with them (the screen's processes, the display
+# manager the host lists as a systemd holder too); a process of nobody's stays a holder.
+RELEASED = {
+    "desktop": (
+        ["systemd-user:1000/pipewire.service", "session:3", "display-manager:gdm.service"],
+        {"process:912", "process:950", "systemd:display-manager.service"},
+    ),
+    "compositor": (
+        ["session:3", "display-manager:gdm.service"],
+        {"process:912", "systemd:display-manager.service"},
+    ),
+    "mixed": (
+        ["session:3", "display-manager:gdm.service"],
+        {"process:912", "systemd:display-manager.service"},
+    ),
+    "server": (
+        ["display-manager:lightdm.service"],
+        {"process:700", "systemd:display-manager.service"},
+    ),
+}
+
+
+def screen_holders(use: ScreenUse | None) -> list[Holder]:
+    """What the host lists as holders of a screen: its processes, and the display
+    manager's unit (`display-manager.service`) where it has one."""
+    if use is None:
+        return []
+    found = [Holder(f"process:{p.pid}", ("gpu0",), True, True, how="kill") for p in use.processes]
+    if use.display_manager:
+        found.append(Holder("systemd:display-manager.service", ("gpu0",), True, True))
+    return found
 
 
 @pytest.mark.parametrize("screen", sorted(SCREENS))
@@ -828,10 +865,13 @@ SCREENS = {
 @pytest.mark.parametrize("how", ["claim", "in-place", "vgpu"])
 def test_every_screen_state_obeys_the_rule(screen, policy, existing, mode, how):
     """Exhaustive over (who uses the screen, the token's `screen`, an existing lease, the
-    mode, how it is claimed): an exclusive claim that passes the GPU through is refused,
-    naming them, when processes of the screen have it open and the policy is "refuse",
-    and never for them otherwise; whatever else refuses the claim refuses it as without
-    them (the same claim with no snapshot); a granted exclusive claim carries the
+    mode, how it is claimed), with the screen's processes and display manager among the
+    holders, as a host lists them.  One rule for both policies: an exclusive claim that
+    passes the GPU through, where processes of the screen have it open, is refused
+    naming them under "refuse", and under "release" stops, last and in order, the user
+    units, sessions and display manager they belong to instead of them as holders (a
+    process of nobody's stays a holder); never either otherwise.  Whatever else refuses
+    the claim refuses it as without the snapshot; a granted exclusive claim carries the
     screen it takes in its plan."""
     state = EMPTY.with_home("gpu0", HOMES["recorded"])
     for item in EXISTING[existing]:
@@ -842,19 +882,22 @@ def test_every_screen_state_obeys_the_rule(screen, policy, existing, mode, how):
         spec = replace(spec, name="gpu0", screen=policy)
     use = SCREENS[screen]
     screens = {} if use is None else {"gpu0": use}
+    holders = screen_holders(use)
     extra = {"in_place": how == "in-place", "coverage": COVERAGE}
     claimant = operation_claimant("mig", "gpu0") if how == "in-place" else "libvirt:me"
     mode = Mode.EXCLUSIVE if how == "in-place" else mode
 
     def decide(**more):
-        return decide_claim(state, claimant, mode, [spec], [], NONE, **extra, **more)
+        return decide_claim(state, claimant, mode, [spec], holders, NONE, **extra, **more)
 
     try:
         without = decide()
     except ClaimRefused as refused:
         without = refused
-    takes = mode is Mode.EXCLUSIVE and how == "claim"
-    refuses = takes and use is not None and bool(use.processes) and policy is ScreenPolicy.REFUSE
+    takes = mode is Mode.EXCLUSIVE and how == "claim" and use is not None
+    used = takes and bool(use.processes)
+    refuses = used and policy is ScreenPolicy.REFUSE
+    stops, freed = RELEASED.get(screen, ([], set())) if used else ([], set())
     try:
         plan = decide(screens=screens)
     except ScreenInUse as refused:
@@ -869,8 +912,13 @@ def test_every_screen_state_obeys_the_rule(screen, policy, existing, mode, how):
         return
     assert not refuses, (screen, policy, existing, mode, how)
     assert not isinstance(without, ClaimRefused), (screen, policy, existing, mode, how)
-    assert replace(plan, screens={}) == without
-    if takes and use is not None and use.drives_screen:
+    kept = [step for step in without.stops if str(step.holder) not in freed]
+    assert [(str(s.holder), s.tokens) for s in plan.stops] == [
+        *((str(s.holder), s.tokens) for s in kept),
+        *((holder, ("gpu0",)) for holder in stops),
+    ], (screen, policy, existing, mode, how)
+    assert replace(plan, screens={}, stops=()) == replace(without, stops=())
+    if takes and use.drives_screen:
         assert plan.screens == {"gpu0": use}
     else:
         assert plan.screens == {}

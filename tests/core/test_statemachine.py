@@ -59,7 +59,19 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from invariants import assert_converged, assert_invariants, sim_facts
-from simhosts import PF, VF0, VF1, audio, gpu, holder, host, session, sriov_pf, sriov_tokens
+from simhosts import (
+    PF,
+    VF0,
+    VF1,
+    audio,
+    desktop,
+    gpu,
+    holder,
+    host,
+    session,
+    sriov_pf,
+    sriov_tokens,
+)
 
 from charly_arbiter.core import crashpoints
 from charly_arbiter.core.arbiter import Arbiter
@@ -67,6 +79,7 @@ from charly_arbiter.core.config import load_config
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import (
     VFIO,
+    Claimant,
     LeaseState,
     LedgerState,
     Mode,
@@ -105,8 +118,26 @@ HOLDERS = {
     "libvirt:vm": "gpu1",
 }
 PASSTHROUGH = frozenset({"libvirt:vm"})
+# gpu0 draws a desktop and is released by policy (`screen = "release"`): an exclusive
+# claim on it stops its session and its display manager (after the rest); the release
+# starts the display manager again once gpu0 is home (it waits while its lease holds
+# gpu0 on vfio-pci), never the session.  (A user unit is one more holder that comes
+# back as any does: left to the other tests, since every holder more multiplies the
+# orders the model explores.)
+DM = "display-manager:gdm.service"
+SESSION = "session:3"
+SCREEN = {SESSION: "gpu0", DM: "gpu0"}
+# gpu1 may draw a desktop too (a logind session display-manager.service opened, the
+# `screen` rule), its policy "refuse" or "release" as the machine goes: released, its
+# session and display manager are stopped as the screen's (`session:2`, and the listed
+# systemd holder under its display manager's name: one unit by either name).
 DISPLAY_MANAGER = "systemd:display-manager.service"
-REFS = (*HOLDERS, *CLAIMANTS)
+DM1 = "display-manager:display-manager.service"
+SESSION1 = "session:2"
+SAME_UNIT = {DM1: DISPLAY_MANAGER}
+SESSIONS = frozenset({SESSION, SESSION1})
+MANAGERS = frozenset({DM, DM1})
+REFS = (*HOLDERS, *SCREEN, SESSION1, *CLAIMANTS)
 EVERY_CLAIMANT = (*CLAIMANTS, SHARER)
 # An SR-IOV physical function (pf, a token configured for 2 VFs) and its first VF (vf0, a
 # token of its own while it exists): a VF's lease is a use of its PF (core/vfs.py).
@@ -144,8 +175,11 @@ driver_switch = 2
 # A claimant that does not run is stranded at once (timestamps have whole seconds).
 claim_grace = 1e-9
 
+screen_grace = 1e-9
+
 [tokens.gpu0]
 address = "0000:0a:00.0"
+screen = "release"
 
 [tokens.gpu1]
 address = "0000:0b:00.0"
@@ -167,11 +201,18 @@ class Faults:
     rigid: frozenset[str] = frozenset()  # holders that are not preemptible
     desktop: bool = False  # a session of display-manager.service on gpu1
     release_screen: bool = False  # gpu1's `screen = "release"`
+    dm_fails: bool = False  # gpu0's display manager does not come up
 
     def desktop_on(self, world: World) -> bool:
         """Whether gpu1's desktop is there: the simulated session exists while gpu1 is
-        on its own driver and the display manager that opened it runs."""
-        return self.desktop and "gpu1" not in world.vfio and world.running(DISPLAY_MANAGER)
+        on its own driver, the display manager that opened it runs, and nobody ended
+        the session."""
+        return (
+            self.desktop
+            and "gpu1" not in world.vfio
+            and world.running(DISPLAY_MANAGER)
+            and world.running(SESSION1)
+        )
 
     def switch_fails(self, token: str) -> bool:
         return any(address in TOKEN_FUNCTIONS[token] for address, _ in self.switch)
@@ -201,6 +242,11 @@ class Faults:
                 for ref in HOLDERS
             ),
             *([session("0000:0b:00.0")] if self.desktop else []),
+            desktop(
+                "0000:0a:00.0",
+                user_units=(),
+                extra="fail_start = true" if self.dm_fails else "",
+            ),
         )
 
 
@@ -278,9 +324,10 @@ class World:
         return replace(self, leases=tuple(x for x in self.leases if x.claimant != claimant))
 
     def running(self, ref: str) -> bool:
-        return ref not in self.down
+        return SAME_UNIT.get(ref, ref) not in self.down
 
     def with_running(self, ref: str, running: bool) -> World:
+        ref = SAME_UNIT.get(ref, ref)
         return replace(self, down=self.down - {ref} if running else self.down | {ref})
 
     def with_driver(self, token: str, vfio: bool) -> World:
@@ -495,10 +542,21 @@ def decide(
                 reasons.add("in-progress")
         if reasons:
             return ("refused", frozenset(reasons))
+    # gpu1's desktop released by policy: its session and display manager are stopped as
+    # the screen's, and the display manager is no plain holder of gpu1 then.
+    released1 = (
+        mode is EXCLUSIVE
+        and "gpu1" in tokens
+        and faults.release_screen
+        and faults.desktop_on(world)
+    )
     running = [
         ref
         for ref, token in HOLDERS.items()
-        if ref != claimant and world.running(ref) and token in tokens
+        if ref != claimant
+        and world.running(ref)
+        and token in tokens
+        and not (released1 and ref == DISPLAY_MANAGER)
     ]
     if mode is EXCLUSIVE:
         # It takes over the leases of the shared claimants it stops: those that
@@ -548,7 +606,13 @@ def decide(
                 holding.add("stranded")
             elif elsewhere.state is not ACTIVE:
                 holding.add("holder-busy")
-        stopping = [ref for ref in running if ref not in names] + sorted(names)
+        # The desktop on gpu0 (seen while gpu0 is on its driver), stopped after the rest.
+        screen = [
+            ref
+            for ref, token in SCREEN.items()
+            if token in tokens and token not in world.vfio and world.running(ref)
+        ] + ([SESSION1, DM1] if released1 else [])
+        stopping = [ref for ref in running if ref not in names] + sorted(names) + screen
         if being_started(world, claimant, stopping):
             holding.add("starting")
         if holding:
@@ -562,6 +626,7 @@ def decide(
             else:  # a holder of these tokens, sharing another: it stays out of both
                 used = tuple(dict.fromkeys((HOLDERS[lease.claimant], *lease.tokens)))
                 stops.append(Rec(lease.claimant, used, lease.tokens))
+        stops += [Rec(ref, (SCREEN.get(ref, "gpu1"),)) for ref in screen]
         return Plan(
             stops=tuple(stops),
             preempted=tuple(sorted(names)),
@@ -647,7 +712,7 @@ def model_acquire(run: Run, claimant: str, mode: Mode, tokens: tuple[str, ...]) 
     for stop in run.order(f"stop {claimant}", list(plan.stops)):
         run.mark("acquire.stop")
         if run.world.running(stop.holder):
-            if stop.holder in run.faults.fail_stop:
+            if SAME_UNIT.get(stop.holder, stop.holder) in run.faults.fail_stop:
                 failed = "stop"
                 break
             run.set(run.world.with_running(stop.holder, False))
@@ -767,6 +832,10 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
     world = run.world
     lease = current(run, claimant)
     others = [other for other in world.leases if other.claimant != claimant]
+    if record.holder in SESSIONS:
+        # A session is never started again (its display manager's login screen is).
+        run.put(lease.without_record(record.holder))
+        return
     # Where an exclusive lease now holds one of its tokens, the holder stays
     # stopped and that lease brings it back.  For a preempted shared claimant
     # that is I1 (its lease may not come back beside an exclusive one): any
@@ -792,6 +861,10 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
             world = world.put(heir.with_record(replace(record, starting=False)))
         run.set(world.put(current_of(world, claimant).without_record(record.holder)))
         return
+    if record.holder in MANAGERS and any(lease.holds(t) for t in uses(record)):
+        # A display manager waits for the GPU this lease still holds (its way home
+        # failed); once restore lets go of it poisoned, it is started all the same.
+        return
     if any(r.holder == record.holder for other in others for r in other.records):
         # Another lease stopped it too; that one brings it back.
         run.put(current(run, claimant).without_record(record.holder))
@@ -799,7 +872,9 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
     run.put(current(run, claimant).with_record(replace(record, starting=True)))
     run.mark("release.start")
     if not run.world.running(record.holder):
-        if record.holder in run.faults.fail_start:
+        fails = record.holder == DM and run.faults.dm_fails
+        unit = SAME_UNIT.get(record.holder, record.holder)  # (gpu1's: the listed holder's)
+        if unit in run.faults.fail_start or fails:
             run.put(current(run, claimant).with_record(replace(record, starting=False)))
             return
         run.set(run.world.with_running(record.holder, True))
@@ -1037,6 +1112,8 @@ FAULT_CHANGES = (
         for fault in (None, *SWITCH_FAULTS)
     ),
     *((kind, ref, on) for kind in HOLDER_FAULTS for ref in HOLDERS for on in (False, True)),
+    ("dm_fails", DM, False),
+    ("dm_fails", DM, True),
 )
 
 
@@ -1319,8 +1396,10 @@ class ArbiterMachine(RuleBasedStateMachine):
         # start at boot.
         for claimant in CLAIMANTS:
             self.host.set_running(claimant, False)
+        # gpu1's session (if described) is opened again at boot, as gpu0's is.
+        self.host.set_running(SESSION1, True)
         self.gone.update(CLAIMANTS)
-        self.gone -= set(HOLDERS)
+        self.gone -= {*HOLDERS, *SCREEN}
         # The VFs are gone with the old boot (the reconcile unit makes them again).
         self.change(
             lambda world: replace(
@@ -1339,7 +1418,9 @@ class ArbiterMachine(RuleBasedStateMachine):
         """Switch one fault of host.toml on or off; the simulated host reads it anew."""
         kind, target, value = change
         faults = self.faults
-        if kind == "switch":
+        if kind == "dm_fails":
+            faults = replace(faults, dm_fails=bool(value))
+        elif kind == "switch":
             switch = [item for item in faults.switch if item[0] != target]
             if value is not None:
                 switch.append((target, str(value)))
@@ -1356,6 +1437,12 @@ class ArbiterMachine(RuleBasedStateMachine):
         out; the operator sets gpu1's `screen` to "release" or back to "refuse"."""
         self.faults = replace(self.faults, desktop=desktop, release_screen=release)
         self._write_host()
+        if desktop:
+            # A session the arbiter ended is opened again (logind's next one, the same id
+            # here: the model names one session of gpu1).
+            self.host.set_running(SESSION1, True)
+            self.change(lambda world: world.with_running(SESSION1, True))
+        self.check(f"screen desktop={desktop} release={release}")
 
     # -- I5 ----------------------------------------------------------------------------------
 
@@ -1366,7 +1453,9 @@ class ArbiterMachine(RuleBasedStateMachine):
         self.steps_since_gone = 0
         # Holders can be started again (the operator fixed them); a GPU whose
         # switch fails ends poisoned, which I5 allows.
-        self.faults = replace(self.faults, fail_stop=frozenset(), fail_start=frozenset())
+        self.faults = replace(
+            self.faults, fail_stop=frozenset(), fail_start=frozenset(), dm_fails=False
+        )
         self._write_host()
         # Restoring a lease starts the shared claimants it preempted again, with
         # their leases: they are alive again.  Everyone dies again until no lease
@@ -1378,7 +1467,8 @@ class ArbiterMachine(RuleBasedStateMachine):
             if not self.view().leases:
                 break
         state = self.ledger.read()
-        assert_converged(state, self.facts(), HOME, tuple(HOLDERS))
+        # (The desktop's display manager runs again; its session is gone for good.)
+        assert_converged(state, self.facts(), HOME, (*HOLDERS, DM))
         before = (ledger_bytes(self.ledger.state_dir), self.host.snapshot())
         assert self.step("restore again", self.real_restore, model_restore) == ("restored", ())
         after = (ledger_bytes(self.ledger.state_dir), self.host.snapshot())
@@ -1387,7 +1477,8 @@ class ArbiterMachine(RuleBasedStateMachine):
     # -- after every step ----------------------------------------------------------------------
 
     def facts(self) -> Any:
-        expected = set(REFS) - self.gone
+        # A session ended for a claim is gone for good: I3 expects it nowhere.
+        expected = set(REFS) - self.gone - SESSIONS
         snapshot = self.host.snapshot()
         # A claimant the simulated host was never told about counts as running.
         alive = snapshot["unknown_alive"]
@@ -1463,6 +1554,46 @@ def test_a_claimant_of_two_gpus_whose_exclusive_release_fails_on_one() -> None:
         back = state.lease_of(SHARER)
         assert back is not None and back.tokens == ("gpu1",), state.leases
         assert state.poison_of("gpu0") is not None
+    finally:
+        machine.teardown()
+
+
+def test_a_desktops_gpu_that_hangs_on_its_way_home_then_everyone_gone() -> None:
+    """Found by the machine: gpu0's way home hangs (poisoned on vfio-pci), so its display
+    manager waits; once everyone is gone, `restore` lets go of gpu0 poisoned and starts
+    the display manager all the same: no lease is left (I5)."""
+    machine = ArbiterMachine()
+    try:
+        machine.claim("libvirt:a", EXCLUSIVE, ("gpu0",))
+        machine.fault(("switch", "0000:0a:00.1", "hang_switch"))
+        machine.steps_since_gone = 8
+        machine.everyone_gone_then_restore_twice()
+        state = machine.ledger.read()
+        assert state.leases == () and state.poison_of("gpu0") is not None
+        assert machine.host.is_running(Claimant.parse(DM))
+    finally:
+        machine.teardown()
+
+
+def test_gpu1s_desktop_released_by_policy_comes_back_as_its_display_manager() -> None:
+    """gpu1's desktop, released by policy: the claim records and stops session:2 and the
+    display manager by its own name (not as the listed systemd holder); the release
+    starts that unit again, never the session; refused by default."""
+    machine = ArbiterMachine()
+    try:
+        machine.screen(True, False)
+        machine.claim("libvirt:a", EXCLUSIVE, ("gpu1",))
+        assert machine.ledger.read().leases == ()  # refused for the screen
+        machine.screen(True, True)
+        machine.claim("libvirt:a", EXCLUSIVE, ("gpu1",))
+        lease = machine.ledger.read().lease_of("libvirt:a")
+        assert lease is not None
+        assert {str(r.holder) for r in lease.stopped} == {"libvirt:vm", SESSION1, DM1}
+        assert not machine.host.is_running(Claimant.parse(DISPLAY_MANAGER))
+        machine.release("libvirt:a", False, True, False)  # the VM shut down first
+        assert machine.ledger.read().leases == ()
+        assert machine.host.is_running(Claimant.parse(DISPLAY_MANAGER))
+        assert not machine.host.is_running(Claimant.parse(SESSION1))
     finally:
         machine.teardown()
 
