@@ -1,10 +1,11 @@
 """systemd units as holders and claimants, under a real systemd (sysguest.py).
 
-One QEMU run, two boots of the real-kernel guest with systemd as PID 1 on an
-overlay of this machine's root, the package installed by `make install` and
-the units of unit_scenarios.py (real services: `sleep` holding bochs-drm's
-/dev/dri/card0, a drained one, a per-GPU template standing in for NVIDIA's
-per-GPU persistence, units made to claim by `charly-arbiter attach`).
+One QEMU run (sysplan.py: test_desktop.py's scenarios run in the same boots),
+two boots of the real-kernel guest with systemd as PID 1 on an overlay of this
+machine's root, the package installed by `make install` and the units of
+unit_scenarios.py (real services: `sleep` holding bochs-drm's /dev/dri/card0, a
+drained one, a per-GPU template standing in for NVIDIA's per-GPU persistence,
+units made to claim by `charly-arbiter attach`).
 
 Boot 1 (graphical.target): weston as display-manager.service holds card0 in
 a real logind session on seat0 (the desktop the screen scenarios of issue 19
@@ -27,53 +28,20 @@ from typing import Any
 
 import pytest
 import unit_scenarios as us
-from installed import install_package
-from sysguest import Boot, Run, Spec, kernel_for_tests, run
+from sysguest import Run
+from sysplan import UNIT_SCENARIOS
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel]
 
 GPU, AUDIO = "0000:00:02.0", "0000:00:02.1"
 HOME = {GPU: "bochs-drm", AUDIO: "snd_hda_intel"}
 VFIO = {GPU: "vfio-pci", AUDIO: "vfio-pci"}
-RECONCILE = "charly-arbiter-reconcile.service"
-NEEDED = ("/usr/bin/make", "/usr/bin/weston", "/lib/systemd/systemd", "/usr/bin/dbus-daemon")
-PLAN = (
-    Boot(
-        (
-            "desktop",
-            "systemd_holders",
-            "attach",
-            "claim_stops_units",
-            "attached_exclusive",
-            "crash_mid_claim",
-        ),
-        desktop=True,
-    ),
-    Boot(("reconciled", "resident_helper")),
-)
 
 
 @pytest.fixture(scope="module")
-def guest(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    kernel = kernel_for_tests(NEEDED)
-    directory = tmp_path_factory.mktemp("systemd-units")
-    install_package(directory / "stage", tmp_path_factory.mktemp("build"))
-    spec = Spec(
-        boots=PLAN,
-        module="unit_scenarios.py",
-        installed=directory / "stage",
-        files=us.files(),
-        # enabled, as the Debian package's postinst enables it
-        links={
-            f"/etc/systemd/system/multi-user.target.wants/{RECONCILE}": (
-                f"/usr/lib/systemd/system/{RECONCILE}"
-            )
-        },
-        keep=("/var/lib/charly-arbiter",),
-    )
-    result = run(kernel, directory, spec, timeout=1200)
-    print(result.timings())
-    return result
+def guest(systemd_guest: Run) -> Run:
+    """The systemd guest's run (sysplan.py), shared with test_desktop.py."""
+    return systemd_guest
 
 
 def steps(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -111,10 +79,13 @@ def test_systemd_boots_the_guest_to_its_targets(guest: Run) -> None:
 
 
 def test_every_step_keeps_the_invariants(guest: Run) -> None:
-    """I1-I3 after every step of every scenario, both boots."""
+    """I1-I3 after every step of every scenario of this file, both boots
+    (test_desktop.py checks its own)."""
     checked = 0
     for record in guest.boots:
         for name, scenario in record["scenarios"].items():
+            if name not in UNIT_SCENARIOS:
+                continue
             for label, facts in scenario.get("steps", {}).items():
                 assert facts["violations"] == [], f"{name}/{label}: {facts['violations']}"
                 checked += 1
