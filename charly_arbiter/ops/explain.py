@@ -55,6 +55,20 @@ def explain_token(name: str, facts: Facts) -> list[str]:
         )
     elif token.unaccounted:
         sentences += _unaccounted(token, facts)
+    elif not holding and (
+        kept := [
+            lease
+            for lease in facts.status.leases
+            if name in lease.tokens
+            and lease.claimant in facts.status.stranded
+            and _screen_not_back(lease)
+        ]
+    ):
+        # Kept because its display manager did not come back: the token is home and no
+        # lease holds it, yet it is this token's desktop that is missing (finding F2).
+        sentences.append(f"{label} is home, but the desktop it drove is not back.")
+        for lease in kept:
+            sentences += _screen_story(lease, facts)
     elif not holding:
         sentences.append(_unleased(label, token.users))
     elif token.mode == Mode.EXCLUSIVE:

@@ -249,6 +249,10 @@ def test_a_display_manager_that_fails_ends_on_a_text_login_with_what_to_do(desk)
     words = desk.cli("explain", "libvirt:win11").stdout
     assert "the display manager gdm.service did not come back when gpu0 came home" in words
     assert "journalctl -u gdm.service" in words and "a text login runs on tty1" in words
+    # The token's own story tells it too: it is home, but its desktop is not back.
+    words = desk.cli("explain", "gpu0").stdout
+    assert "did not come back when gpu0 came home" in words, words
+    assert "charly-arbiter restore libvirt:win11" in words
     # Mended, `restore` starts it again and checks it.
     desk.set_host(HOST)
     assert desk.cli("restore", "--stranded").returncode == 0
