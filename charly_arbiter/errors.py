@@ -225,6 +225,20 @@ class PassthroughImpossible(ClaimRefused):
         super().__init__(token, claimant, f"this host cannot pass it through: {why}", hint=hint)
 
 
+class ScreenInUse(ClaimRefused):
+    """A GPU someone's screen runs on (a display manager, a graphical session, a
+    compositor), with `screen = "refuse"`: refused before anything is stopped, naming
+    what uses it (`holder`: the display manager, else the compositor) and the people
+    whose sessions would end."""
+
+    def __init__(
+        self, token: str, claimant: str, why: str, hint: str, holder: str, users: tuple[str, ...]
+    ) -> None:
+        super().__init__(token, claimant, why, hint=hint)
+        self.holder = holder
+        self.users = users
+
+
 class TokenPoisoned(ClaimRefused):
     def __init__(self, token: str, claimant: str, reason: str, since: str) -> None:
         super().__init__(
@@ -325,6 +339,31 @@ class HolderError(ArbiterError):
         self.holder = holder
         self.action = action
         self.why = why
+
+
+class DisplayManagerFailed(HolderError):
+    """A display manager started again when its GPU came home did not come up (its unit
+    active, a process holding a card, within `timeouts.screen_back`).  It was stopped
+    and its failed state reset (no restart loop); `journal` are its last journal
+    lines, and `console` the text login started in its place (`tty7`; None: none
+    could be started)."""
+
+    def __init__(
+        self, holder: str, unit: str, why: str, journal: tuple[str, ...], console: str | None
+    ) -> None:
+        login = (
+            f"a text login runs on {console} in its place"
+            if console
+            else "no text login could be started either"
+        )
+        super().__init__(holder, "start", f"{why}; it was stopped (no restart loop), {login}")
+        self.unit = unit
+        self.journal = journal
+        self.console = console
+        self.hint = (
+            f"read `journalctl -u {unit}` (its last lines are in the history), fix it, then "
+            f"run {cli_command('restore', '--stranded')}, which starts it again and checks it"
+        )
 
 
 class CommandFailed(ArbiterError):

@@ -31,7 +31,7 @@ from charly_arbiter.compose import build_arbiter, token_catalogue
 from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import Config, load_config
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.model import CLAIMANT_KINDS, Mode, ProcessRef
+from charly_arbiter.core.model import CLAIMANT_KINDS, SCREEN_KINDS, Mode, ProcessRef
 from charly_arbiter.core.planner import NO_POLICY, ClaimPlan, Policy
 from charly_arbiter.core.tokens import TokenCatalogue
 from charly_arbiter.errors import UsageError
@@ -89,7 +89,7 @@ class HookSession:
         one already); otherwise the hook's own rules, `own_policy`."""
         if self.nested():
             return Policy(
-                refuse_kinds=frozenset(CLAIMANT_KINDS),
+                refuse_kinds=frozenset((*CLAIMANT_KINDS, *SCREEN_KINDS)),
                 refuse_hint="{claimant} was started by the arbiter itself, which never "
                 "stops {holder} from a nested hook; stop {holder} first",
             )

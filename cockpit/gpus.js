@@ -105,6 +105,15 @@ function renderAlerts() {
             onclick: () => confirmRestore(lease.claimant),
         }, `Restore ${lease.claimant}\u2026`)]));
     }
+    for (const name of status && status.sleep ? status.sleep.missing : []) {
+        const lease = status.leases.find(lease => lease.tokens.includes(name) && lease.mode === "exclusive");
+        const cause = (lease && lease.sleep_lock_error) || status.sleep.unavailable || "its logind inhibitor lock is not held";
+        items.push(alert("warning", `alert-sleep-${safeId(name)}`, `Sleep is not blocked while ${name} is passed through`, [
+            h("p", {}, `${cause}.`),
+            h("p", {}, `The host may suspend under ${lease ? lease.claimant : "the VM"}, which would lose its GPU. Once the host can hold the lock (systemd running), run `,
+                h("code", {}, "charly-arbiter restore --stranded"), ", which takes it; or set ", h("code", {}, 'sleep = "allow"'), " in arbiter.toml to accept it."),
+        ]));
+    }
     for (const [name, token] of Object.entries(status ? status.tokens : {})) {
         if (!token.poisoned)
             continue;
@@ -123,6 +132,28 @@ function renderAlerts() {
     const restoreAll = $("restore-all");
     restoreAll.hidden = !(status && status.stranded.length > 1);
     restoreAll.disabled = state.admin === false || Boolean(status && status.corrupt);
+}
+
+/* Whether the host may suspend while the token is passed through (status.sleep). */
+function sleepRow(name, token, status) {
+    const sleep = status.sleep;
+    if (!sleep)
+        return null;
+    let text = null;
+    let kind = null;
+    if (token.sleep_blocked) {
+        text = `Sleep blocked while ${token.sleep_blocked}`;
+        kind = "blocked";
+    } else if (sleep.missing.includes(name)) {
+        text = "Not blocked: the host may suspend while it is passed through";
+        kind = "missing";
+    } else if (sleep.policy === "allow" && token.mode === "exclusive") {
+        text = 'Allowed while it is passed through (sleep = "allow")';
+        kind = "allowed";
+    }
+    if (!text)
+        return null;
+    return [h("dt", {}, "Sleep"), h("dd", { class: "ca-sleep", id: `sleep-${safeId(name)}`, "data-sleep": kind }, text)];
 }
 
 const MODE_LABELS = { idle: "Idle", shared: "Shared", exclusive: "Exclusive", releasing: "Releasing", "in-use": "In use", unaccounted: "Unaccounted", unknown: "Unknown" };
@@ -153,6 +184,7 @@ function tokenCard(name, token, status) {
             h("dt", {}, "Functions"), h("dd", {}, functions),
             h("dt", {}, "Held by"), h("dd", { class: "ca-held-by" }, holders),
             h("dt", {}, "Stopped for it"), h("dd", { class: "ca-stopped" }, stopped.length ? listing(stopped) : status.corrupt ? "Unknown" : "Nothing"),
+            sleepRow(name, token, status),
             token.poisoned ? [h("dt", {}, "Poisoned"), h("dd", {}, token.reason)] : null),
         h("footer", { class: "ca-card-footer" },
             h("button", { type: "button", class: "ca-button ca-button-link", id: `history-${safeId(name)}`, onclick: () => showHistoryOf(`t/${name}`) }, `History of ${name}`),

@@ -14,8 +14,12 @@
 (I4) A mutating command on a corrupt or unsafe ledger changes nothing on the
      host or on disk (`unchanged_by`).
 (I5) Once every claimant is gone, `restore --stranded` leaves no lease, every
-     token home or poisoned, every preemptible holder running, and a second
-     restore changes nothing (`assert_converged`).
+     token home or poisoned, every preemptible holder running, no sleep lock, and
+     a second restore changes nothing (`assert_converged`).
+(I6) Every sleep lock (logind inhibitor) the host holds for a token is recorded by
+     exactly one lease, which holds that token and is the one the lock names: a
+     lock is recorded before it is taken and forgotten only once it is let go, so
+     that a crash at any step leaves `restore` every lock it must let go of.
 
 The checks read plain facts (the ledger's state, each function's driver, which
 holders run), so the simulated host, a real libvirtd and a real kernel can all
@@ -51,6 +55,8 @@ class HostFacts:
     parents: Mapping[str, str] = field(default_factory=dict)
     # address -> the vGPU type of an NVIDIA vGPU VF (0: none)
     vgpu_types: Mapping[str, int] = field(default_factory=dict)
+    # token -> why, the sleep locks the host holds (`Host.inhibitors`)
+    sleep_locks: Mapping[str, str] = field(default_factory=dict)
 
 
 def violations(state: LedgerState, host: HostFacts) -> list[str]:
@@ -118,14 +124,49 @@ def violations(state: LedgerState, host: HostFacts) -> list[str]:
     for lease in state.leases:
         for record in lease.stopped:
             if not record.restored:
-                records.setdefault(record.holder, []).append(lease.claimant)
+                records.setdefault(same_unit(record.holder), []).append(lease.claimant)
     for holder, leases in sorted(records.items()):
         if len(leases) > 1:
             found.append(f"I3: {holder} is recorded as stopped by {len(leases)} leases: {leases}")
     for holder in sorted(host.expected_running):
-        if not host.running.get(holder, False) and holder not in records:
+        if not host.running.get(holder, False) and same_unit(holder) not in records:
             found.append(f"I3: {holder} is stopped, and no lease records it")
+    found += sleep_lock_violations(state, host.sleep_locks)
     return found
+
+
+def sleep_lock_violations(state: LedgerState, locks: Mapping[str, str]) -> list[str]:
+    """Every way in which I6 does not hold, for the host's locks (token -> why)."""
+    found: list[str] = []
+    recorders: dict[str, list[str]] = {}
+    for lease in state.leases:
+        for token in lease.sleep_locks:
+            recorders.setdefault(token, []).append(lease.claimant)
+            if not blocks_token(lease, token):
+                found.append(
+                    f"I6: {lease.claimant} ({lease.state}) records {token}'s sleep lock "
+                    "but no longer holds it"
+                )
+    for token, claimants in sorted(recorders.items()):
+        if len(claimants) > 1:
+            found.append(f"I6: {token}'s sleep lock is recorded by {len(claimants)} leases")
+    for token, why in sorted(locks.items()):
+        claimants = recorders.get(token, [])
+        if not claimants:
+            found.append(
+                f"I6: the host holds {token}'s sleep lock ({why}), and no lease records it"
+            )
+        elif why != f"{token} is passed through to {claimants[0]}":
+            found.append(f"I6: {token}'s sleep lock says {why!r}, but {claimants[0]} records it")
+    return found
+
+
+def same_unit(holder: str) -> str:
+    """One name for one unit: a display manager (`display-manager:UNIT`, issue 19's
+    `screen = "release"`) is the system unit `systemd:UNIT` a host may list as a holder
+    too, whichever name a lease recorded it by."""
+    kind, _, name = holder.partition(":")
+    return f"systemd:{name}" if kind == "display-manager" else holder
 
 
 def assert_invariants(state: LedgerState, host: HostFacts, context: object = "") -> None:
@@ -157,6 +198,7 @@ def assert_converged(
     for holder in sorted(preemptible):
         if holder in host.expected_running:
             assert host.running.get(holder, False), (holder, host.running)
+    assert not host.sleep_locks, host.sleep_locks
     assert_invariants(state, host, "after restore")
 
 
@@ -178,4 +220,5 @@ def sim_facts(
         expected_running=frozenset(expected_running),
         parents=parents or {},
         vgpu_types={address: int(vf.get("vgpu", 0)) for address, vf in vfs.items()},
+        sleep_locks=dict(snapshot.get("sleep_locks", {})),  # type: ignore[call-overload]
     )

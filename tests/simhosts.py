@@ -178,3 +178,63 @@ def mig_host(**faults: str) -> str:
         f'address = "0000:0a:00.0"\nmig_profiles = {MIG_PROFILES}\n',
         1,
     )
+
+
+def session(
+    device: str,
+    *,
+    session_id: str = "2",
+    display_manager: str | None = "display-manager.service",
+    user: str = "alice",
+    uid: int = 1000,
+    compositor: str = "gnome-shell",
+    pid: int = 912,
+    seat: str = "seat0",
+    nodes: Sequence[str] = ("card0",),
+    user_units: Sequence[str] = (),
+) -> str:
+    """A logind session on `device` whose compositor holds its card: present while the
+    device is on its own driver and its display manager (a simulated holder) runs."""
+    lines = [
+        "[[sessions]]",
+        f'device = "{device}"',
+        f'id = "{session_id}"',
+        f'seat = "{seat}"',
+        'type = "wayland"',
+        f"uid = {uid}",
+        f'user = "{user}"',
+        f"leader = {pid - 12}",
+        f'compositor = "{compositor}"',
+        f"pid = {pid}",
+        "nodes = [" + ", ".join(f'"{n}"' for n in nodes) + "]",
+        "user_units = [" + ", ".join(f'"{u}"' for u in user_units) + "]",
+    ]
+    if display_manager:
+        lines.append(f'display_manager = "{display_manager}"')
+    return "\n".join(lines) + "\n"
+
+
+def desktop(
+    address: str = "0000:0a:00.0",
+    *,
+    display_manager: str = "gdm.service",
+    sessions: Sequence[tuple[str, int, str]] = (("3", 1000, "alice"),),
+    user_units: Sequence[str] = ("org.gnome.Shell@wayland.service",),
+    extra: str = "",
+) -> str:
+    """A desktop drawn on the GPU at `address` (`[[screens]]`): its display manager,
+    the sessions it opened (id, uid, user) and user units of their user that hold the
+    card; `extra` adds fault lines (`fail_start = true`: the display manager does not
+    come up)."""
+    lines = [
+        "[[screens]]",
+        f'address = "{address}"',
+        f'display_manager = "{display_manager}"',
+        "sessions = ["
+        + ", ".join(f'{{ id = "{i}", uid = {uid}, user = "{user}" }}' for i, uid, user in sessions)
+        + "]",
+        "user_units = [" + ", ".join(f'"{unit}"' for unit in user_units) + "]",
+    ]
+    if extra:
+        lines.append(extra.rstrip("\n"))
+    return "\n".join(lines) + "\n"

@@ -9,6 +9,7 @@ import click
 from charly_arbiter.cli import complete
 from charly_arbiter.cli.app import App
 from charly_arbiter.core.model import Claimant
+from charly_arbiter.errors import ArbiterError
 from charly_arbiter.ops import history
 from charly_arbiter.ops.explain import Facts, explain_claimant, explain_token
 
@@ -31,12 +32,20 @@ def explain(app: App, subject: str) -> None:
     reading = history.HistoryLog(app.config().state_dir).read()
     for note in reading.notes:
         click.echo(f"note: {note}", err=True)
+    screens = {}
+    if not is_claimant:
+        spec = arbiter.tokens.all()[subject]
+        try:
+            screens[subject] = (app.host().screen(spec), spec.screen)
+        except ArbiterError as error:  # the rest of the story still helps
+            click.echo(f"note: who uses its screen is unknown: {error}", err=True)
     facts = Facts(
         status=status,
         boot_id=app.host().boot_id(),
         history=reading.records,
         interrupted=frozenset(history.interrupted(reading.records)),
         now=datetime.now(UTC),
+        screens=screens,
     )
     sentences = explain_claimant(subject, facts) if is_claimant else explain_token(subject, facts)
     click.echo("\n".join(sentences))

@@ -31,6 +31,7 @@ from charly_arbiter.errors import (
     ClaimRefused,
     LeaseInProgress,
     NeedsHost,
+    ScreenInUse,
     cli_command,
 )
 
@@ -95,7 +96,13 @@ def plan(
             result = found
     except ClaimRefused as refusal:
         if as_json:
-            document = {"claimant": claimant, "refused": refusal.why, "hint": refusal.hint}
+            document: dict[str, Any] = {
+                "claimant": claimant,
+                "refused": refusal.why,
+                "hint": refusal.hint,
+            }
+            if isinstance(refusal, ScreenInUse):
+                document["screen"] = {"holder": refusal.holder, "users": list(refusal.users)}
             click.echo(json.dumps(document, indent=2, sort_keys=True))
         else:
             click.echo(f"{claimant} would be refused: {refusal}")
@@ -148,6 +155,7 @@ def plan_document(result: ClaimPlan) -> dict[str, Any]:
         ],
         "takes_over_leases_of": list(result.preempted_leases),
         "regenerates_cdi_for": list(result.cdi_tokens),
+        "screens": {token: use.as_json() for token, use in sorted(result.screens.items())},
     }
 
 
@@ -176,6 +184,8 @@ def render(result: ClaimPlan) -> str:
         lines.append(f"When {result.claimant} releases {tokens}, {names} would be started again.")
     if result.cdi_tokens:
         lines.append(f"The CDI spec would be regenerated for {', '.join(result.cdi_tokens)}.")
+    for use in result.screens.values():
+        lines.append(f"It takes a screen: {use.describe()}.")
     lines.append("Nothing was changed (this is a plan).")
     return "\n".join(lines)
 
@@ -307,7 +317,14 @@ def render_release(result: ReleasePlan) -> str:
         if comeback.way is ComebackWay.START:
             shared = back.get(holder, ())
             with_lease = f", with its shared lease on {', '.join(shared)}" if shared else ""
-            lines.append(f"  start {holder} again{with_lease}")
+            check = (
+                ", and check that it draws on its GPU (else a text login on the console)"
+                if holder.kind is HolderKind.DISPLAY_MANAGER
+                else ""
+            )
+            lines.append(f"  start {holder} again{with_lease}{check}")
+        elif comeback.way is ComebackWay.ENDED:
+            lines.append(f"  {holder} is not started again: {comeback.why}")
         elif comeback.way is ComebackWay.LEFT:
             lines.append(f"  leave {holder} to {comeback.to}, which stopped it too")
         else:

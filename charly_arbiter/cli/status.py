@@ -127,9 +127,17 @@ def status_document(result: Status, attached: Sequence[HolderConfig] = ()) -> di
                 "stranded_why": (
                     stranded_why(lease, result.boot_id) if lease.claimant in result.stranded else ""
                 ),
+                "sleep_locks": list(lease.sleep_locks),
+                "sleep_lock_error": lease.sleep_lock_error,
             }
             for lease in result.leases
         ],
+        "sleep": {
+            "policy": result.sleep.policy,
+            "locks": dict(result.sleep.locks),
+            "missing": list(result.sleep.missing),
+            "unavailable": result.sleep.unavailable or None,
+        },
         "tokens": {
             token.name: {
                 "address": token.address,
@@ -154,6 +162,7 @@ def status_document(result: Status, attached: Sequence[HolderConfig] = ()) -> di
                 "poisoned": token.poisoned,
                 "reason": token.reason,
                 "since": token.since,
+                "sleep_blocked": result.sleep.lock_of(token.name),
             }
             for token in result.tokens
         },
@@ -262,8 +271,30 @@ def _token_table(token: TokenStatus, result: Status, style: Style, now: datetime
                 )
             )
         lines += _table(holder_rows, style, bad_column=2)
+    lines += _sleep_lines(token, result, leases, style)
     lines += [f"  {_use(holder)}" for holder in token.users]
     return lines
+
+
+def _sleep_lines(
+    token: TokenStatus, result: Status, leases: Sequence[Lease], style: Style
+) -> list[str]:
+    """Whether the host may suspend while the token is passed through."""
+    why = result.sleep.lock_of(token.name)
+    if why is not None:
+        return [f"  sleep blocked while {why}"]
+    if token.name in result.sleep.missing:
+        lease = next((x for x in leases if x.sleep_lock_error), None)
+        cause = (lease.sleep_lock_error if lease else "") or result.sleep.unavailable
+        cause = cause or "its logind inhibitor lock is not held"
+        return [
+            "  " + style(f"SLEEP NOT BLOCKED while it is passed through: {cause}", "bad"),
+            f"  hint: run {cli_command('restore', '--stranded')} to take the lock again "
+            'once the host can hold it, or set `sleep = "allow"` to accept it',
+        ]
+    if result.sleep.policy == "allow" and token.mode == "exclusive":
+        return ['  sleep allowed while it is passed through (sleep = "allow")']
+    return []
 
 
 def _sriov_lines(token: TokenStatus, result: Status) -> list[str]:

@@ -15,15 +15,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from charly_arbiter.core import sleeplocks
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import EventKind, Events, drivers_label
-from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, TokenSpec
+from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, ScreenUse, TokenSpec
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.liveness import claimant_liveness, claimant_runs, stranded_claimants
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
+    HolderKind,
     Lease,
     LeaseState,
     LedgerState,
@@ -44,6 +46,7 @@ from charly_arbiter.core.planner import (
 )
 from charly_arbiter.core.release_planner import ReleasePlan, may_run_on_it
 from charly_arbiter.core.releasing import Releaser
+from charly_arbiter.core.sleeplocks import SleepLockPlan
 from charly_arbiter.core.switching import Switching
 from charly_arbiter.core.tokens import TokenCatalogue, vf_specs
 from charly_arbiter.errors import (
@@ -86,6 +89,22 @@ class TokenStatus:
 
 
 @dataclass(frozen=True)
+class SleepStatus:
+    """The host's sleep locks (core/sleeplocks.py) as `status` shows them."""
+
+    policy: str = "block"  # `sleep`: block or allow
+    locks: tuple[tuple[str, str], ...] = ()  # (token, why): the locks the host holds now
+    # tokens of active exclusive leases that need a lock and have none (the host could
+    # not take it, or it was stopped from outside: `restore` takes it again)
+    missing: tuple[str, ...] = ()
+    unavailable: str = ""  # why this host cannot hold a lock at all (no systemd)
+
+    def lock_of(self, token: str) -> str | None:
+        """What the token's lock says, if the host holds one."""
+        return dict(self.locks).get(token)
+
+
+@dataclass(frozen=True)
 class Status:
     leases: tuple[Lease, ...]
     tokens: tuple[TokenStatus, ...]
@@ -96,6 +115,7 @@ class Status:
     # The highest generation the history recorded, when the ledger is behind it (it
     # was deleted or replaced by an older or an empty one); None when it is not.
     history_generation: int | None = None
+    sleep: SleepStatus = SleepStatus()
 
 
 def rollback_found(generation: int, recorded: int) -> str:
@@ -174,6 +194,7 @@ class Arbiter:
             coverage=self.tokens.addresses(),
             parents=self.tokens.parents(),
             vf_users=self._vf_users(mode, tokens),
+            screens=self._screens(mode, tokens),
         )
 
     def plan_release(self, claimant: str, *, force: bool = False) -> ReleasePlan | None:
@@ -186,6 +207,15 @@ class Arbiter:
             return {}
         found = {token.name: self.host.passthrough_blocker(token) for token in tokens}
         return {name: blocker for name, blocker in found.items() if blocker is not None}
+
+    def _screens(self, mode: Mode, tokens: Sequence[TokenSpec]) -> dict[str, ScreenUse]:
+        """Who uses each token's screen, for an exclusive claim (read outside the lock,
+        as the holders are: what it depends on, the display manager running and the
+        GPU on its driver, is what `_refuse_if_holders_came_back` and
+        `_refuse_if_drivers_moved` check again under it)."""
+        if mode is not Mode.EXCLUSIVE:
+            return {}
+        return {token.name: self.host.screen(token) for token in tokens if not token.absent}
 
     def _vf_users(self, mode: Mode, tokens: Sequence[TokenSpec]) -> list[DeviceUser]:
         """Who has a node of the tokens' virtual functions open (a VM's /dev/vfio/N, a
@@ -259,6 +289,7 @@ class Arbiter:
         seen = self.ledger.read()
         holders = self.host.holders(tokens)
         blockers = {} if in_place else self._blockers(mode, tokens)
+        screens = {} if in_place else self._screens(mode, tokens)
         vf_users = self._vf_users(mode, tokens)
         boot_id = self.host.boot_id()
         alive = claimant_liveness(self.host, seen, boot_id)
@@ -281,6 +312,7 @@ class Arbiter:
                 parents=self.tokens.parents(),
                 vf_users=vf_users,
                 in_place=in_place,
+                screens=screens,
             )
             if plan.already_held:
                 own = txn.state.lease_of(claimant)
@@ -312,6 +344,7 @@ class Arbiter:
         for name in plan.cdi_tokens:
             if name not in plan.switched_tokens:  # a switch refreshed it already
                 self.switching.regenerate_cdi(by_name[name])
+        self._block_sleep(claimant, plan)
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
@@ -387,6 +420,7 @@ class Arbiter:
         return state.with_lease(lease)
 
     def _stop_holders(self, claimant: Claimant, plan: ClaimPlan) -> None:
+        self._tell_sessions(claimant, plan)
         for step in plan.stops:
             self.events.emit(
                 EventKind.STOPPING, claimant=claimant, holder=step.holder, how=step.how
@@ -399,6 +433,28 @@ class Arbiter:
             self.events.emit(
                 EventKind.PREEMPTED, claimant=claimant, holder=step.holder, how=step.how
             )
+
+    def _tell_sessions(self, claimant: Claimant, plan: ClaimPlan) -> None:
+        """Before anything of a screen is stopped: tell the people in its sessions why,
+        and give them `timeouts.screen_grace` (their desktop is still up: a shell that
+        runs as a user unit goes first)."""
+        sessions = [
+            step.holder
+            for step in plan.stops
+            if step.holder.kind is HolderKind.SESSION and self.host.is_running(step.holder)
+        ]
+        if not sessions:
+            return
+        grace = self.config.timeouts.screen_grace
+        message = (
+            f"{', '.join(plan.tokens)} is given to {claimant}: this session ends in "
+            f"{grace:g} s. Save your work; the login screen comes back when {claimant} "
+            "gives the GPU back."
+        )
+        for session in sessions:
+            self.events.emit(EventKind.TOLD, claimant=claimant, holder=session, seconds=grace)
+        self.host.tell(sessions, message)
+        time.sleep(grace)
 
     def _record_stop(self, claimant: Claimant, holder: Claimant, step: StepState) -> None:
         with self.ledger.transaction() as txn:
@@ -421,6 +477,81 @@ class Arbiter:
                 lease = txn.state.lease_of(claimant)
                 if lease is not None:
                     txn.state = txn.state.with_lease(lease.with_switch(token, StepState.DONE))
+
+    # -- sleep locks (core/sleeplocks.py) ---------------------------------------------
+
+    def _block_sleep(self, claimant: Claimant, plan: ClaimPlan) -> None:
+        """Take the claim's sleep locks, its GPUs on vfio-pci and before it turns active,
+        each recorded in its lease first.  A host that cannot take them (no systemd) is
+        logged and recorded in the lease, never a failed claim: the VM starts all the
+        same, and `status`, `explain` and `doctor` say that sleep is not blocked."""
+        if not sleeplocks.blocks_sleep(plan.mode, claimant, self.config.sleep):
+            return
+        with self.ledger.transaction() as txn:
+            txn.state = sleeplocks.with_recorded(txn.state, claimant, plan.tokens)
+        crashpoint("acquire.sleep")
+        tokens = ",".join(plan.tokens)
+        try:
+            for token in plan.tokens:
+                self.host.inhibit(token, sleeplocks.lock_why(token, claimant))
+        except ArbiterError as error:
+            log.warning("%s: sleep is not blocked: %s", claimant, error)
+            self.events.emit(
+                EventKind.SLEEP_LOCK_FAILED, claimant=claimant, token=tokens, why=str(error)
+            )
+            with self.ledger.transaction() as txn:
+                txn.state = sleeplocks.with_failure(txn.state, claimant, str(error))
+            return
+        self.events.emit(EventKind.SLEEP_BLOCKED, claimant=claimant, token=tokens)
+
+    def converge_sleep_locks(self) -> SleepLockPlan:
+        """Bring the host's sleep locks to what the leases need (`restore` ends with it):
+        a lock for each token of an active exclusive lease, none other.  The leases a
+        live process is carrying out are left to it.  Each lock taken is recorded
+        first, each one let go forgotten after; a lock that cannot be taken is
+        recorded as such in its lease."""
+        held = dict(self.host.inhibitors())
+        seen = self.ledger.read()
+        busy = frozenset(
+            lease.claimant
+            for lease in seen.leases
+            if lease.owner is not None
+            and lease.owner != self.owner
+            and self.host.process_alive(lease.owner)
+        )
+        with self.ledger.transaction() as txn:
+            plan = sleeplocks.decide_sleep_locks(txn.state, self.config.sleep, held, busy)
+            records = sleeplocks.recorded(txn.state)
+            for token, _, owner in plan.take:
+                txn.state = sleeplocks.with_recorded(txn.state, owner, [token])
+            for token, owner in plan.record:
+                txn.state = sleeplocks.with_recorded(txn.state, owner, [token])
+        for token in plan.let_go:
+            try:
+                self.host.uninhibit(token)
+            except ArbiterError as error:
+                log.error("%s: could not let go of its sleep lock: %s", token, error)
+                continue
+            whose = {"claimant": records[token]} if token in records else {}
+            self.events.emit(EventKind.SLEEP_ALLOWED, token=token, **whose)
+        failed: dict[Claimant, str] = {}
+        for token, why, owner in plan.take:
+            try:
+                self.host.inhibit(token, why)
+            except ArbiterError as error:
+                log.warning("%s: sleep is not blocked: %s", owner, error)
+                self.events.emit(
+                    EventKind.SLEEP_LOCK_FAILED, claimant=owner, token=token, why=str(error)
+                )
+                failed[owner] = str(error)
+                continue
+            self.events.emit(EventKind.SLEEP_BLOCKED, claimant=owner, token=token)
+        if plan.let_go or plan.forget or failed:
+            with self.ledger.transaction() as txn:
+                txn.state = sleeplocks.forgotten(txn.state, {*plan.let_go, *plan.forget})
+                for owner, why in failed.items():
+                    txn.state = sleeplocks.with_failure(txn.state, owner, why)
+        return plan
 
     # -- releasing ---------------------------------------------------------------
 
@@ -485,6 +616,7 @@ class Arbiter:
         for claimant in targets:
             self.events.emit(EventKind.RESTORE, claimant=claimant)
             releaser.finish(claimant, success=False, reason="restored")
+        self.converge_sleep_locks()
         return targets
 
     def stranded_claimants(self, state: LedgerState) -> frozenset[Claimant]:
@@ -559,6 +691,7 @@ class Arbiter:
             )
         behind = reading.state is not None and recorded > state.generation
         return Status(
+            sleep=self._sleep_status(state),
             leases=state.leases,
             tokens=tuple(tokens),
             stranded=tuple(sorted(stranded)),
@@ -566,6 +699,22 @@ class Arbiter:
             corrupt=str(reading.corrupt) if reading.corrupt else None,
             boot_id=self.host.boot_id(),
             history_generation=recorded if behind else None,
+        )
+
+    def _sleep_status(self, state: LedgerState) -> SleepStatus:
+        """The host's sleep locks against what the leases need."""
+        unavailable = self.host.sleep_lock_unavailable() or ""
+        try:
+            held = dict(self.host.inhibitors())
+        except ArbiterError as error:
+            log.warning("cannot list the sleep locks for status: %s", error)
+            held, unavailable = {}, unavailable or str(error)
+        need = sleeplocks.wanted(state, self.config.sleep)
+        return SleepStatus(
+            policy=str(self.config.sleep),
+            locks=tuple(sorted(held.items())),
+            missing=tuple(sorted(token for token, why in need.items() if held.get(token) != why)),
+            unavailable=unavailable,
         )
 
     def _users(

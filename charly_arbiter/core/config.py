@@ -25,7 +25,15 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
-from charly_arbiter.core.model import Claimant, ConsolePolicy, HolderKind, Preemption, ProcessPolicy
+from charly_arbiter.core.model import (
+    Claimant,
+    ConsolePolicy,
+    HolderKind,
+    Preemption,
+    ProcessPolicy,
+    ScreenPolicy,
+    SleepPolicy,
+)
 from charly_arbiter.core.pci import parse_address
 from charly_arbiter.errors import ArbiterError, ConfigError, cli_command
 
@@ -66,6 +74,11 @@ class Timeouts:
     holder_drain: float = 30.0
     # How long a release waits for a holder's `ready` command to succeed.
     holder_ready: float = 120.0
+    # `screen = "release"`: how long the people in a graphical session have, once told
+    # why, before it ends; and how long the display manager has, started again, to be
+    # active with a process holding the GPU's card before it counts as failed.
+    screen_grace: float = 5.0
+    screen_back: float = 60.0
 
 
 MAX_SECONDS = 86400.0  # no timeout is longer than a day
@@ -89,6 +102,7 @@ class TokenConfig:
     home_driver: str | None = None
     cdi: bool = True
     console: ConsolePolicy | None = None  # None: the top-level `console`
+    screen: ScreenPolicy | None = None  # None: the top-level `screen`
     # CDI device names (`nvidia.com/gpu=0`) that stand for this token in a
     # container's annotations (the OCI hook claims the token for them).
     cdi_devices: tuple[str, ...] = ()
@@ -165,6 +179,8 @@ class Config:
     libvirt_preemption: Preemption = Preemption.STOP
     process_policy: ProcessPolicy = ProcessPolicy.REFUSE
     console: ConsolePolicy = ConsolePolicy.REFUSE
+    screen: ScreenPolicy = ScreenPolicy.REFUSE
+    sleep: SleepPolicy = SleepPolicy.BLOCK
     hook_log: Path | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     tokens: tuple[TokenConfig, ...] = ()
@@ -288,6 +304,8 @@ def _parse(path: Path, table: dict[str, Any]) -> Config:
         "libvirt_preemption",
         "device_holder_policy",
         "console",
+        "screen",
+        "sleep",
         "hook_log",
         "timeouts",
         "tokens",
@@ -324,6 +342,8 @@ def _parse(path: Path, table: dict[str, Any]) -> Config:
         libvirt_preemption=reader.choice(table, "libvirt_preemption", Preemption),
         process_policy=reader.choice(table, "device_holder_policy", ProcessPolicy),
         console=reader.choice(table, "console", ConsolePolicy),
+        screen=reader.choice(table, "screen", ScreenPolicy),
+        sleep=reader.choice(table, "sleep", SleepPolicy),
         hook_log=Path(hook_log) if hook_log else None,
         timeouts=timeouts,
         tokens=tokens,
@@ -363,7 +383,7 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
         raise ConfigError(reader.path, key, "a token name may only use letters, digits, - _ .")
     reader.no_unknown_keys(
         spec,
-        {"address", "home_driver", "cdi", "cdi_devices", "console", "vfs", "vgpu_type"},
+        {"address", "home_driver", "cdi", "cdi_devices", "console", "screen", "vfs", "vgpu_type"},
         f"{key}.",
     )
     address = reader.get(spec, "address", str, None, f"{key}.address")
@@ -406,6 +426,9 @@ def _parse_token(reader: _Reader, name: str, spec: Any) -> TokenConfig:
         cdi=reader.get(spec, "cdi", bool, True, f"{key}.cdi"),
         console=reader.choice(spec, "console", ConsolePolicy, f"{key}.console")
         if "console" in spec
+        else None,
+        screen=reader.choice(spec, "screen", ScreenPolicy, f"{key}.screen")
+        if "screen" in spec
         else None,
         cdi_devices=tuple(cdi_devices),
         vfs=vfs,

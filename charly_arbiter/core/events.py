@@ -49,13 +49,20 @@ class EventKind(StrEnum):
     MIG_DONE = "mig-done"
     VF_COUNT = "vf-count"
     VF_COUNTED = "vf-counted"
+    TOLD = "told"
+    SESSION_ENDED = "session-ended"
+    SLEEP_BLOCKED = "sleep-blocked"
+    SLEEP_ALLOWED = "sleep-allowed"
+    SLEEP_LOCK_FAILED = "sleep-lock-failed"
 
 
 # Events that begin a step which may take long (a VM shutting down, a bind);
 # each is followed by a completion from the same process unless it died there.
 STEP_STARTS = frozenset({EventKind.STOPPING, EventKind.SWITCHING, EventKind.STARTING})
 # Events an operator should notice (journal priority warning or error).
-WARNINGS = frozenset({EventKind.REFUSED, EventKind.FAILED, EventKind.RESTORE_FAILED})
+WARNINGS = frozenset(
+    {EventKind.REFUSED, EventKind.FAILED, EventKind.RESTORE_FAILED, EventKind.SLEEP_LOCK_FAILED}
+)
 ERRORS = frozenset({EventKind.POISONED})
 
 
@@ -129,12 +136,29 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
         EventKind.VF_COUNTED: lambda: (
             f"{token} has {get('count', '?')} VFs now (took {get('seconds', '?')} s)"
         ),
+        EventKind.SLEEP_BLOCKED: lambda: (
+            f"sleep is blocked while {_joined(token)} {_is_are(token)} passed through to {claimant}"
+        ),
+        EventKind.SLEEP_ALLOWED: lambda: (
+            f"sleep is allowed again: {_joined(token)} {_is_are(token)} no longer passed "
+            "through" + (f" to {claimant}" if get("claimant") else "")
+        ),
+        EventKind.SLEEP_LOCK_FAILED: lambda: (
+            f"{claimant}: sleep could not be blocked for {_joined(token)}: {why}"
+        ),
         EventKind.RELEASE: lambda: f"{claimant} releases its lease",
         EventKind.FAILED: lambda: f"{claimant}'s claim failed and is undone: {why}",
         EventKind.RESTORE: lambda: f"restoring {claimant}",
         EventKind.STARTING: lambda: f"{claimant}: starting {holder} again",
         EventKind.RESTORED: lambda: f"{claimant}: {holder} runs again",
         EventKind.RESTORE_FAILED: lambda: f"{claimant}: could not start {holder} again: {why}",
+        EventKind.TOLD: lambda: (
+            f"{claimant}: told {holder} why it ends, {get('seconds', '?')} s before it does"
+        ),
+        EventKind.SESSION_ENDED: lambda: (
+            f"{claimant}: {holder} is not started again (a session cannot be); "
+            "the display manager's login screen takes its place"
+        ),
         EventKind.POISON_CLEARED: lambda: f"the poison of {token} was cleared",
         EventKind.MISMATCH: lambda: (
             (f"{get('token')}: " if get("token") else "") + get("found", "?")
@@ -156,6 +180,15 @@ def describe(kind: str, fields: Mapping[str, Any]) -> str:
     if sentence is not None:
         return sentence()
     return f"{kind} {logfmt(fields)}"
+
+
+def _joined(tokens: str) -> str:
+    """An event's comma-joined tokens in words: "gpu0", "gpu0 and gpu1"."""
+    return and_list([token for token in tokens.split(",") if token])
+
+
+def _is_are(tokens: str) -> str:
+    return "are" if "," in tokens else "is"
 
 
 def drivers_label(targets: Mapping[str, str | None]) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from charly_arbiter.core.model import Claimant, ConsolePolicy, ProcessRef
+from charly_arbiter.core.model import Claimant, ConsolePolicy, ProcessRef, ScreenPolicy
 from charly_arbiter.core.pci import slot_of, vf_address
 from charly_arbiter.errors import cli_command
 
@@ -201,6 +201,9 @@ class TokenSpec:
     home_driver: str | None = None  # from the configuration, when the operator set one
     cdi: bool = True
     console: ConsolePolicy = ConsolePolicy.REFUSE  # a GPU driving the console
+    # A GPU whose screen someone uses (a display manager, a graphical session, a
+    # compositor): refused, or those stopped first (`screen = "release"`).
+    screen: ScreenPolicy = ScreenPolicy.REFUSE
     # A token configured on a virtual function, whose physical function's token (its
     # `sriov_offset` and `sriov_stride`) places it there: that PF's address.  Known
     # whether the VF exists now or not; its `functions` are empty while it does not.
@@ -308,6 +311,160 @@ class DeviceUser:
         return f"pid {self.pid} ({self.command}){of} has {self.node} open"
 
 
+@dataclass(frozen=True)
+class ScreenProcess:
+    """A process with one of a token's DRM nodes open that belongs to the screen: it
+    has a card (primary) node open, or it runs in a graphical or seated logind
+    session, or in the user units of such a session's user.  (A system service that
+    only renders on the GPU is a holder like any other, not the screen.)"""
+
+    pid: int
+    comm: str
+    uid: int
+    nodes: tuple[str, ...]  # ("card0",) / ("renderD128",)
+    session: str | None  # its logind session id, if any
+    # Its systemd unit: "charly-weston.service", "session-3.scope",
+    # "user@1000.service/app.slice/pipewire.service".
+    unit: str | None
+
+    def describe(self) -> str:
+        """`weston (pid 812)`."""
+        return f"{self.comm} (pid {self.pid})"
+
+
+@dataclass(frozen=True)
+class ScreenSession:
+    """A logind session one of a token's screen processes belongs to
+    (/run/systemd/sessions/ID)."""
+
+    id: str
+    seat: str | None  # "seat0"
+    type: str  # "wayland" | "x11" | "tty" | "mir" | "unspecified"
+    uid: int
+    user: str
+    leader: int
+    # The system unit that opened it (its leader's INVOCATION_ID), e.g. "gdm.service":
+    # `SERVICE=` in the session's file is the PAM service ("login"), not the unit.
+    display_manager: str | None
+
+    def describe(self) -> str:
+        """`the wayland session of alice, uid 1000 (session 3)`."""
+        who = f"{self.user}, uid {self.uid}" if self.user else f"uid {self.uid}"
+        return f"the {self.type} session of {who} (session {self.id})"
+
+
+@dataclass(frozen=True)
+class ScreenUse:
+    """Who uses the screen of one token: the firmware's boot display, the framebuffer
+    console, and the processes, logind sessions, display manager and user units that
+    have its DRM nodes open."""
+
+    token: str
+    boot_vga: bool  # the firmware booted on it
+    fbcon: bool  # the framebuffer console draws on it
+    processes: tuple[ScreenProcess, ...] = ()
+    sessions: tuple[ScreenSession, ...] = ()
+    # The display manager's real unit name (display-manager.service is an alias) when
+    # it, or sessions it opened, hold the card.
+    display_manager: str | None = None
+    # The user units of those sessions' users that hold it ("user@1000.service: pipewire.service").
+    user_units: tuple[str, ...] = ()
+
+    @property
+    def drives_screen(self) -> bool:
+        return self.boot_vga or self.fbcon or bool(self.processes)
+
+    @property
+    def seats(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.seat for s in self.sessions if s.seat))
+
+    @property
+    def users(self) -> tuple[str, ...]:
+        """The people whose sessions would end: `alice (uid 1000)`."""
+        named = (f"{s.user} (uid {s.uid})" if s.user else f"uid {s.uid}" for s in self.sessions)
+        return tuple(dict.fromkeys(named))
+
+    def unsessioned(self) -> tuple[ScreenProcess, ...]:
+        """Its processes that are in no session and no user unit (a display server the
+        display manager's unit runs itself, a compositor started by a system unit)."""
+        return tuple(
+            p
+            for p in self.processes
+            if p.session is None and not (p.unit or "").startswith("user@")
+        )
+
+    def holders(self) -> tuple[str, ...]:
+        """What uses it, in words: the display manager, each session, the processes in
+        none, the user units."""
+        parts: list[str] = []
+        if self.display_manager:
+            parts.append(self.display_manager)
+        parts.extend(session.describe() for session in self.sessions)
+        for process in self.unsessioned():
+            if process.unit and process.unit == self.display_manager:
+                continue
+            of = f" of {process.unit}" if process.unit else ""
+            parts.append(f"{process.describe()}{of}")
+        if self.user_units:
+            parts.append(f"the user units {', '.join(self.user_units)}")
+        return tuple(parts)
+
+    def describe(self) -> str:
+        """`gpu0 drives seat0: gdm.service, the wayland session of alice, uid 1000
+        (session 3)`, then the boot display and the console where they are on it."""
+        if not self.drives_screen:
+            return f"{self.token} drives no screen"
+        where = ", ".join(self.seats) or "the host's screen"
+        extras = []
+        if self.boot_vga:
+            extras.append("it is the boot display")
+        if self.fbcon:
+            extras.append("the text console runs on it")
+        holders = ", ".join(self.holders())
+        text = f"{self.token} drives {where}"
+        if holders:
+            text += f": {holders}"
+        if extras:
+            text += (": " if not holders else "; ") + "; ".join(extras)
+        return text
+
+    def as_json(self) -> dict[str, object]:
+        """What --json outputs show of it."""
+        return {
+            "token": self.token,
+            "drives_screen": self.drives_screen,
+            "boot_vga": self.boot_vga,
+            "fbcon": self.fbcon,
+            "display_manager": self.display_manager,
+            "seats": list(self.seats),
+            "sessions": [
+                {
+                    "id": s.id,
+                    "seat": s.seat,
+                    "type": s.type,
+                    "uid": s.uid,
+                    "user": s.user,
+                    "leader": s.leader,
+                    "display_manager": s.display_manager,
+                }
+                for s in self.sessions
+            ],
+            "processes": [
+                {
+                    "pid": p.pid,
+                    "comm": p.comm,
+                    "uid": p.uid,
+                    "nodes": list(p.nodes),
+                    "session": p.session,
+                    "unit": p.unit,
+                }
+                for p in self.processes
+            ],
+            "user_units": list(self.user_units),
+            "text": self.describe(),
+        }
+
+
 # What `Host.device_functions` says of a GPU driver's node whose function it
 # cannot name now (its GPU is not bound to that driver: on vfio-pci, perhaps a token's).
 UNKNOWN_FUNCTION = ""
@@ -398,6 +555,18 @@ class Host(Protocol):
         """
         ...
 
+    def screen(self, token: TokenSpec) -> ScreenUse:
+        """Who uses the token's screen now: boot display, framebuffer console, the
+        processes with its DRM nodes open and their sessions, display manager and
+        user units (a snapshot, read again before every claim)."""
+        ...
+
+    def tell(self, sessions: Sequence[Claimant], message: str) -> None:
+        """Tell the people in these logind sessions (`session:ID`) why their session is
+        about to end (a notification on their desktop, a line on their terminal); best
+        effort, within a few seconds: it never raises."""
+        ...
+
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         """What keeps the token from being passed through (no IOMMU, no vfio-pci,
         an IOMMU group shared with other devices), checked before anything is
@@ -415,6 +584,25 @@ class Host(Protocol):
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         """Refresh the CDI spec after the token came home (no-op where there is none)."""
+        ...
+
+    def inhibit(self, token: str, why: str) -> None:
+        """Hold a logind inhibitor lock for `token` (what=sleep, who=charly-arbiter,
+        mode=block) that says `why`, until `uninhibit`: it outlives this process, and
+        replaces a lock of `token`'s held already.  Raises `HostError` where it cannot
+        (no systemd); the arbiter records that and goes on."""
+        ...
+
+    def uninhibit(self, token: str) -> None:
+        """Let go of `token`'s sleep lock; nothing when none is held."""
+        ...
+
+    def inhibitors(self) -> Mapping[str, str]:
+        """The sleep locks the arbiter holds now: token -> why."""
+        ...
+
+    def sleep_lock_unavailable(self) -> str | None:
+        """Why this host cannot hold a sleep lock (None: it can)."""
         ...
 
     def close(self) -> None:

@@ -29,6 +29,9 @@ SCHEMA = 2
 # Schema 1 (before the writer's start time and a stopped holder's tokens were
 # recorded) is read, and written back as schema 2 by the next transaction.
 READABLE_SCHEMAS = (1, 2)
+# A lease's sleep locks (`sleep_locks`, `sleep_lock_error`) are optional keys, written
+# only when they say something: a ledger from before them reads as leases without
+# any, and a lease without any is written as before, byte for byte.
 _FIRST_LINE = re.compile(rb'checksum = "sha256:([0-9a-f]{64})"\n')
 
 
@@ -182,6 +185,11 @@ def _to_document(state: LedgerState) -> dict[str, Any]:
 
 
 def _lease_to_table(lease: Lease) -> dict[str, Any]:
+    optional: dict[str, Any] = {}
+    if lease.sleep_locks:
+        optional["sleep_locks"] = list(lease.sleep_locks)
+    if lease.sleep_lock_error:
+        optional["sleep_lock_error"] = lease.sleep_lock_error
     return {
         "claimant": lease.claimant,
         "mode": lease.mode.value,
@@ -204,6 +212,7 @@ def _lease_to_table(lease: Lease) -> dict[str, Any]:
             }
             for record in lease.stopped
         ],
+        **optional,
     }
 
 
@@ -249,6 +258,8 @@ def _lease_from_table(table: Any, schema: int) -> Lease:
         stopped=tuple(
             _stopped_from_table(t, schema, tokens) for t in _typed(table, "stopped", list)
         ),
+        sleep_locks=tuple(_strings(_optional(table, "sleep_locks", list, []))),
+        sleep_lock_error=_optional(table, "sleep_lock_error", str, ""),
     )
 
 
@@ -275,6 +286,11 @@ def _typed(table: dict[str, Any], key: str, kind: type) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise TypeError(f"{key} is {type(value).__name__}, expected {kind.__name__}")
     return value
+
+
+def _optional(table: dict[str, Any], key: str, kind: type, default: Any) -> Any:
+    """An optional key of a lease: absent is `default`, present is typed."""
+    return _typed(table, key, kind) if key in table else default
 
 
 def _strings(values: list[Any]) -> list[str]:

@@ -106,6 +106,14 @@ class HolderKind(StrEnum):
     PROXMOX = "proxmox"
     LXC = "lxc"
     ARBITER = "arbiter"
+    # The screen of a GPU given up for a VM (`screen = "release"`): the display
+    # manager's unit (`display-manager:gdm.service`, started again and checked when
+    # the GPU comes home), a logind session (`session:3`, terminated, never started
+    # again: the display manager's login screen takes its place) and a user unit of
+    # that session's user (`systemd-user:1000/pipewire.service`).
+    DISPLAY_MANAGER = "display-manager"
+    SESSION = "session"
+    SYSTEMD_USER = "systemd-user"
 
 
 # The arbiter's own operations on a GPU, each a claimant of kind `arbiter` named
@@ -130,6 +138,41 @@ def operation_claimant(operation: str, token: str) -> Claimant:
     return Claimant.of(HolderKind.ARBITER, f"{operation}/{token}")
 
 
+# logind's session ids (session_id_valid: letters and digits), "3", "c1".
+_SESSION = re.compile(r"[A-Za-z0-9]{1,64}")
+
+
+def _session_problem(name: str) -> str | None:
+    if _SESSION.fullmatch(name) is None:
+        return "a logind session is named by its id: letters and digits (session:3)"
+    return None
+
+
+def _display_manager_problem(name: str) -> str | None:
+    problem = _systemd_problem(name)
+    if problem is None and not name.endswith(".service"):
+        return "a display manager is the service unit that runs it (gdm.service)"
+    return problem
+
+
+def _user_unit_problem(name: str) -> str | None:
+    uid, slash, unit = name.partition("/")
+    if not slash or not uid.isascii() or not uid.isdigit() or len(uid) > 10:
+        return "a user unit is UID/UNIT (systemd-user:1000/pipewire.service)"
+    return _systemd_problem(unit)
+
+
+# The kinds a screen's release stops, in the order it stops them (the user units
+# holding the GPU, the sessions on it, the display manager); each comes back (or is
+# said not to) in the opposite order.
+SCREEN_KINDS = (HolderKind.SYSTEMD_USER, HolderKind.SESSION, HolderKind.DISPLAY_MANAGER)
+
+
+def user_unit(uid: int, unit: str) -> Claimant:
+    """`systemd-user:UID/UNIT`."""
+    return Claimant.of(HolderKind.SYSTEMD_USER, f"{uid}/{unit}")
+
+
 # The rules of what each kind names.
 KINDS = {
     HolderKind.LIBVIRT: _libvirt_problem,
@@ -140,12 +183,18 @@ KINDS = {
     HolderKind.PROXMOX: _vmid_problem,
     HolderKind.LXC: _vmid_problem,
     HolderKind.ARBITER: _arbiter_problem,
+    HolderKind.DISPLAY_MANAGER: _display_manager_problem,
+    HolderKind.SESSION: _session_problem,
+    HolderKind.SYSTEMD_USER: _user_unit_problem,
 }
-# nvidia-persistence is a holder the host finds by itself, never a claimant a person
-# names; arbiter is the arbiter's own operations, claimants no holder source is asked
-# of and no person names; every other kind is both (and a holder source answers for it).
+# nvidia-persistence and the screen's kinds are holders the host finds by itself, never
+# claimants a person names; arbiter is the arbiter's own operations, claimants no holder
+# source is asked of and no person names; every other kind is both (and a holder source
+# answers for it).
 CLAIMANT_KINDS = tuple(
-    kind for kind in HolderKind if kind not in (HolderKind.NVIDIA_PERSISTENCE, HolderKind.ARBITER)
+    kind
+    for kind in HolderKind
+    if kind not in (HolderKind.NVIDIA_PERSISTENCE, HolderKind.ARBITER, *SCREEN_KINDS)
 )
 
 
@@ -171,6 +220,24 @@ class ConsolePolicy(StrEnum):
 
     REFUSE = "refuse"
     RELEASE = "release"
+
+
+class ScreenPolicy(StrEnum):
+    """`screen`: a GPU whose screen someone uses (a display manager, a graphical
+    session, a compositor) is refused, naming them, or they are stopped before it
+    leaves and the display manager started again when it comes home.  `release`
+    implies `console = "release"`."""
+
+    REFUSE = "refuse"
+    RELEASE = "release"
+
+
+class SleepPolicy(StrEnum):
+    """`sleep`: while a GPU is passed through the host may not suspend (a logind
+    inhibitor lock is held), or it may."""
+
+    BLOCK = "block"
+    ALLOW = "allow"
 
 
 def target_label(driver: str) -> str:
@@ -335,6 +402,10 @@ class Lease:
     # token -> StepState of its driver switch (planned while acquiring/releasing)
     switched: tuple[tuple[str, StepState], ...] = ()
     note: str = ""
+    # The tokens whose sleep lock (a logind inhibitor, core/sleeplocks.py) this lease
+    # holds: recorded before the lock is taken, forgotten once it is let go.
+    sleep_locks: tuple[str, ...] = ()
+    sleep_lock_error: str = ""  # why the host could not take one (no systemd), if it could not
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "claimant", Claimant.parse(self.claimant))

@@ -11,8 +11,16 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from charly_arbiter.core.events import a_or_an
-from charly_arbiter.core.host import NO_DRIVER, Blocker, DeviceUser, Holder, TokenSpec
+from charly_arbiter.core.host import (
+    NO_DRIVER,
+    Blocker,
+    DeviceUser,
+    Holder,
+    ScreenUse,
+    TokenSpec,
+)
 from charly_arbiter.core.model import (
+    SCREEN_KINDS,
     VFIO,
     Claimant,
     HolderKind,
@@ -20,16 +28,19 @@ from charly_arbiter.core.model import (
     LeaseState,
     LedgerState,
     Mode,
+    ScreenPolicy,
     StepState,
     StoppedHolder,
     blocks_token,
     human_time,
+    user_unit,
 )
 from charly_arbiter.core.vfs import refuse_by_relation
 from charly_arbiter.core.vgpu import vgpu_target_of
 from charly_arbiter.errors import (
     ClaimRefused,
     PassthroughImpossible,
+    ScreenInUse,
     TokenPoisoned,
     TokenUnaccounted,
     cli_command,
@@ -72,6 +83,9 @@ class ClaimPlan:
     homes: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     cdi_tokens: tuple[str, ...] = ()
     already_held: bool = False
+    # Who uses the screens of the tokens an exclusive claim passes through (those that
+    # drive one): what `screen = "release"` stops, and what `plan` shows.
+    screens: Mapping[str, ScreenUse] = field(default_factory=dict)
 
     @property
     def switched_tokens(self) -> tuple[str, ...]:
@@ -180,6 +194,7 @@ def decide_claim(
     parents: Mapping[str, str] | None = None,
     vf_users: Sequence[DeviceUser] = (),
     in_place: bool = False,
+    screens: Mapping[str, ScreenUse] | None = None,
 ) -> ClaimPlan:
     """Decide a claim, or raise the `ClaimRefused` that says why it cannot be had.
 
@@ -196,7 +211,12 @@ def decide_claim(
     whose VFs are in use, and a claim on a VF whose PF is held exclusively.
     `in_place` is an exclusive claim that leaves the GPU on its driver (the
     arbiter's own MIG change): it stops every holder, as any exclusive claim
-    does, and switches nothing.
+    does, and switches nothing.  `screens` says who uses each token's screen (a
+    snapshot, as `holders` is), and the token's `screen` what an exclusive claim
+    that passes it through does with them: "refuse" refuses it, naming the display
+    manager, its sessions or a compositor (`refuse_screen`); "release" stops them,
+    last and each recorded first (`screen_stops`).  A screen with only the boot
+    display or the console on it is the console policy's either way.
     """
     names = tuple(token.name for token in tokens)
     for token in tokens:
@@ -239,6 +259,10 @@ def decide_claim(
         target = None if in_place else vgpu_target_of(token, claimant, mode)
         if target is not None:
             vgpu_targets[token.name] = target
+    passed = [t for t in tokens if t.name not in vgpu_targets]
+    if mode is Mode.EXCLUSIVE and not in_place:
+        for token in passed:
+            refuse_screen(claimant, token, (screens or {}).get(token.name))
     if mode is Mode.EXCLUSIVE and not in_place:
         for token in tokens:
             blocker = None if token.name in vgpu_targets else (blockers or {}).get(token.name)
@@ -316,10 +340,16 @@ def decide_claim(
                 hint=f"bring it home first ({cli_command('status')} shows what holds it)",
             )
     if mode is Mode.EXCLUSIVE:
+        # The screens this claim takes: those of the GPUs it passes through (a claim in
+        # place and a vGPU leave their GPU, and its screen, on its driver).
+        seen: Mapping[str, ScreenUse] = {} if in_place else screens or {}
+        used = {t.name: seen[t.name] for t in passed if t.name in seen}
+        used = {name: use for name, use in used.items() if use.drives_screen}
+        holders, screen = screen_stops(passed, used, holders)
         plan = _decide_exclusive(
-            ledger, claimant, tokens, holders, stranded, transient, policy, vgpu_targets
+            ledger, claimant, tokens, holders, stranded, transient, policy, vgpu_targets, screen
         )
-        return replace(plan, switches=()) if in_place else plan
+        return replace(plan, switches=()) if in_place else replace(plan, screens=used)
     return _decide_shared(ledger, claimant, tokens, holders, transient, policy)
 
 
@@ -332,6 +362,7 @@ def _decide_exclusive(
     transient: bool,
     policy: Policy,
     in_place: Mapping[str, str],
+    screen: Sequence[StopStep] = (),
 ) -> ClaimPlan:
     names = tuple(token.name for token in tokens)
     preempted: dict[Claimant, tuple[str, ...]] = {}
@@ -380,6 +411,10 @@ def _decide_exclusive(
         token = next(t for t in tokens if t.name in shared_tokens)
         _refuse_by_policy(ref, "", claimant, token, policy)
         stops.append(StopStep(ref, how.get(ref, "stop"), shared_tokens, shared_tokens))
+    for step in screen:  # (a nested hook's policy stops no screen either)
+        token = next(t for t in tokens if t.name in step.tokens)
+        _refuse_by_policy(step.holder, "", claimant, token, policy)
+    stops.extend(screen)  # last: the desktop stays up while the rest is stopped
 
     _refuse_stops_being_started(ledger, claimant, stops, tokens, stranded)
     # To vfio-pci; an NVIDIA vGPU VF stays on its driver and gets its type (`in_place`).
@@ -402,6 +437,81 @@ def _decide_exclusive(
         taken_over=tuple((lease, record.holder) for lease, record in taken_over),
         homes={token.name: home_map(ledger, token) for token in tokens},
     )
+
+
+SCREEN_HOW = {
+    HolderKind.SYSTEMD_USER: "systemctl --user stop",
+    HolderKind.SESSION: "told why, then loginctl terminate-session",
+    HolderKind.DISPLAY_MANAGER: "systemctl stop",
+}
+
+
+def screen_stops(
+    tokens: Sequence[TokenSpec], screens: Mapping[str, ScreenUse], holders: Sequence[Holder]
+) -> tuple[list[Holder], list[StopStep]]:
+    """What an exclusive claim stops to free the screens of its tokens that have
+    `screen = "release"`, and the holders left once those are taken out.
+
+    In order: the user units of the sessions' users that hold the GPU (a desktop's
+    shell may run as one, outside its session's scope), the sessions on it, the
+    display manager that opened them (`display-manager:UNIT`); each is recorded in
+    the lease before anything is stopped.  The screen's processes go with their
+    session or unit: their process holders are left out, and so is the display
+    manager listed as a systemd holder of these GPUs (it is stopped, and started
+    again, once).
+    A screen driven by the boot display or the framebuffer console alone stops
+    nothing: the host releases the console at the switch."""
+    stops: dict[Claimant, tuple[str, ...]] = {}
+    freed_pids: set[str] = set()
+    freed_units: set[str] = set()
+    for token in tokens:
+        use = screens.get(token.name)
+        if token.screen is not ScreenPolicy.RELEASE or use is None or not use.drives_screen:
+            continue
+        found: list[Claimant] = []
+        for process in use.processes:
+            unit = process.unit or ""
+            if unit.startswith(f"user@{process.uid}.service/"):
+                found.append(user_unit(process.uid, unit.rsplit("/", 1)[-1]))
+        for text in use.user_units:
+            owner, _, unit = text.partition(": ")
+            uid = owner.removeprefix("user@").removesuffix(".service")
+            if unit and uid.isdigit():
+                found.append(user_unit(int(uid), unit.strip()))
+        found += [Claimant.of(HolderKind.SESSION, session.id) for session in use.sessions]
+        managers = {
+            dm for dm in (use.display_manager, *(s.display_manager for s in use.sessions)) if dm
+        }
+        found += [Claimant.of(HolderKind.DISPLAY_MANAGER, dm) for dm in sorted(managers)]
+        for ref in found:
+            stops[ref] = tuple(dict.fromkeys((*stops.get(ref, ()), token.name)))
+        sessions = {session.id for session in use.sessions}
+        # Only a process that goes with what is stopped: one of nobody's session or
+        # unit (a display server started by hand) stays a holder of its own.
+        freed_pids |= {
+            str(process.pid)
+            for process in use.processes
+            if process.session in sessions
+            or (process.unit or "").startswith(f"user@{process.uid}.service/")
+            or process.unit in managers
+        }
+        freed_units |= managers | ({"display-manager.service"} if managers else set())
+    ordered = sorted(stops, key=lambda ref: SCREEN_KINDS.index(ref.kind))
+    steps = [StopStep(ref, SCREEN_HOW[ref.kind], tokens=stops[ref]) for ref in ordered]
+    if not steps:
+        return list(holders), []
+    released = {token for ref in ordered for token in stops[ref]}
+    left = [
+        holder
+        for holder in holders
+        if not (holder.ref.kind is HolderKind.PROCESS and holder.ref.name in freed_pids)
+        and not (
+            holder.ref.kind is HolderKind.SYSTEMD
+            and holder.ref.name in freed_units
+            and set(holder.tokens) <= released  # (the alias on another GPU is another's)
+        )
+    ]
+    return left, steps
 
 
 def _take_over_pending_restarts(
@@ -547,6 +657,44 @@ def _decide_shared(
         homes=homes,
         cdi_tokens=tuple(token.name for token in first if token.cdi),
     )
+
+
+def refuse_screen(claimant: Claimant, token: TokenSpec, use: ScreenUse | None) -> None:
+    """Refuse passing through a GPU that people's screen runs on (a display manager, a
+    graphical session, a compositor: processes of the screen with its DRM nodes open),
+    naming them, unless the token's `screen` is "release".  A boot display or a console
+    with nobody on it is the console policy's (the host's passthrough blocker)."""
+    if use is None or not use.processes or token.screen is ScreenPolicy.RELEASE:
+        return
+    compositors = [p for p in use.processes if any(n.startswith("card") for n in p.nodes)]
+    compositor = (compositors or list(use.processes))[0]
+    sessions = {s.id: s for s in use.sessions}
+    session = sessions.get(compositor.session or "")
+    holder = use.display_manager or compositor.describe()
+    whose = f" of {session.describe()}" if session else ""
+    if not (use.boot_vga or use.fbcon):
+        # Item 5: a desktop's compositor that opened the second GPU too.
+        why = (
+            f"the compositor {compositor.describe()}{whose} has it open, although it is not "
+            f"the boot display; passing it through would end that ({use.describe()})"
+        )
+    else:
+        draws = f"; {compositor.describe()} draws on it" if compositor.session else ""
+        why = f"{use.describe()}{draws}; passing it through would end that desktop"
+    stops = ", ".join(
+        [
+            *([use.display_manager] if use.display_manager else []),
+            *(f"session {s}" for s in sessions),
+        ]
+    )
+    hint = (
+        f'set `screen = "release"` for {token.name} in arbiter.toml to let the arbiter stop '
+        f"{stops or compositor.describe()} before the switch and start the display manager "
+        "again when the GPU comes back (the user gets a login screen back, not the session), "
+        "or end the session first"
+        + (f" (`loginctl terminate-session {' '.join(sessions)}`)" if sessions else "")
+    )
+    raise ScreenInUse(_label(token), claimant, why, hint, holder, use.users)
 
 
 def _running_holders(

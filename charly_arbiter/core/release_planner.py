@@ -40,6 +40,7 @@ from charly_arbiter.core.host import TokenSpec
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
+    HolderKind,
     Lease,
     LeaseState,
     LedgerState,
@@ -144,6 +145,7 @@ class ComebackWay(StrEnum):
     HAND = "hand"
     LEFT = "left"
     WAIT = "wait"
+    ENDED = "ended"  # a logind session: never started again (see decide_comeback)
 
 
 @dataclass(frozen=True)
@@ -431,6 +433,11 @@ def decide_comeback(
 
     Decided under the lock, one holder at a time, on the ledger as it is then:
 
+    - A logind session (`session:ID`, stopped for a screen) is never started again:
+      a session cannot be resurrected, and what takes its place is the login
+      screen of its display manager, which comes back by itself (ENDED: the record
+      is marked restored, and the release says so).
+
     - An exclusive lease (another one, in any state: a releasing one too, since
       it brings back every record it holds before it ends) now holds one of the
       tokens the holder used: it stays stopped, and its record moves to that
@@ -440,6 +447,12 @@ def decide_comeback(
     - A preempted shared claimant whose GPU this very lease still holds on
       vfio-pci (its way home failed) cannot have its lease back beside it: it
       stays stopped, the record with it, for `restore` (WAIT).
+    - A display manager whose GPU this lease still holds (its way home failed, and
+      it is still on vfio-pci) waits for it (WAIT): started without its card it
+      would only fail.  The lease stays for `restore`, which sends the GPU home, or
+      lets go of it poisoned (an operator's to look at), and then starts it, as
+      any holder comes back beside a poisoned GPU; one that does not come up then
+      ends on a text login (the host's start says so).
     - Another lease stopped it too (a ledger written before each holder was
       recorded once): that one brings it back (LEFT).
     - Otherwise it is started now (START): its record turns STARTING first,
@@ -453,12 +466,22 @@ def decide_comeback(
     if not pending:
         return None
     record = pending[0]
+    if record.holder.kind is HolderKind.SESSION:
+        why = "a session cannot be resurrected; the display manager's login screen takes its place"
+        return Comeback(claimant, record, ComebackWay.ENDED, why=why)
     heir = _exclusive_heir(state, claimant, record)
     if heir is not None:
         why = f"{heir} now holds {', '.join(_uses(record))} exclusively and brings it back"
         return Comeback(claimant, record, ComebackWay.HAND, heir, why)
     if record.shared_tokens and _still_holds(lease, record):
         why = f"{', '.join(record.shared_tokens)} is not home; `restore` brings it back"
+        return Comeback(claimant, record, ComebackWay.WAIT, why=why)
+    away = screen_not_home(state, lease, record)
+    if away:
+        why = (
+            f"{', '.join(away)} is not home: {record.holder} would have no screen to draw on; "
+            "`restore` starts it once it is"
+        )
         return Comeback(claimant, record, ComebackWay.WAIT, why=why)
     also = sorted(
         other.claimant
@@ -478,6 +501,8 @@ def apply_comeback(state: LedgerState, comeback: Comeback) -> LedgerState:
     if lease is None or comeback.way is ComebackWay.WAIT:
         return state
     record = comeback.record
+    if comeback.way is ComebackWay.ENDED:
+        return state.with_lease(lease.with_stopped(replace(record, restored=True)))
     if comeback.way is ComebackWay.START:
         return state.with_lease(lease.with_stopped(record))
     if comeback.way is ComebackWay.HAND and comeback.to is not None:
@@ -494,6 +519,14 @@ def apply_start_failed(state: LedgerState, comeback: Comeback) -> LedgerState:
     if lease is None:
         return state
     return state.with_lease(lease.with_stopped(replace(comeback.record, state=StepState.DONE)))
+
+
+def screen_not_home(state: LedgerState, lease: Lease, record: StoppedHolder) -> tuple[str, ...]:
+    """For a display manager's record: the tokens it drew on that `lease` still holds
+    (on vfio-pci: their way home failed).  Empty for any other holder."""
+    if record.holder.kind is not HolderKind.DISPLAY_MANAGER:
+        return ()
+    return tuple(token for token in _uses(record) or lease.tokens if blocks_token(lease, token))
 
 
 def _uses(record: StoppedHolder) -> tuple[str, ...]:

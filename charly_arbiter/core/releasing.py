@@ -16,6 +16,7 @@ from collections.abc import Collection
 from dataclasses import replace
 
 from charly_arbiter.core import release_planner as rules
+from charly_arbiter.core import sleeplocks
 from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import EventKind, Events, drivers_label
 from charly_arbiter.core.host import Host, TokenSpec
@@ -32,7 +33,7 @@ from charly_arbiter.core.release_planner import (
 )
 from charly_arbiter.core.switching import Switching
 from charly_arbiter.core.tokens import TokenCatalogue
-from charly_arbiter.errors import ArbiterError, SwitchFailed, cli_command
+from charly_arbiter.errors import ArbiterError, DisplayManagerFailed, SwitchFailed, cli_command
 
 log = logging.getLogger(__name__)
 
@@ -184,6 +185,7 @@ class Releaser:
     def carry_out(self, plan: ReleasePlan, tokens: dict[str, TokenSpec]) -> None:
         """Everything after the intent: tokens home, holders back, the lease gone."""
         claimant = plan.claimant
+        self._allow_sleep(plan)
         for step in plan.homes:
             if step.due:
                 self._send_home(claimant, step, tokens.get(step.token))
@@ -201,6 +203,31 @@ class Releaser:
                 "%s: release incomplete; run %s",
                 claimant,
                 cli_command("restore", operands=[claimant]),
+            )
+
+    def _allow_sleep(self, plan: ReleasePlan) -> None:
+        """Let go of the lease's sleep locks as its release begins, while its tokens are
+        still its own (core/sleeplocks.py), then forget them.  One that cannot be let go
+        is logged and stays recorded: `restore` lets go of it."""
+        tokens = plan.lease.sleep_locks if plan.lease is not None else ()
+        if not tokens:
+            return
+        crashpoint("release.sleep")
+        let_go = []
+        for token in tokens:
+            try:
+                self.host.uninhibit(token)
+            except ArbiterError as error:
+                log.error(
+                    "%s: could not let go of %s's sleep lock: %s", plan.claimant, token, error
+                )
+                continue
+            let_go.append(token)
+        with self.ledger.transaction() as txn:
+            txn.state = sleeplocks.forgotten(txn.state, let_go, plan.claimant)
+        if let_go:
+            self.events.emit(
+                EventKind.SLEEP_ALLOWED, claimant=plan.claimant, token=",".join(let_go)
             )
 
     def _send_home(self, claimant: Claimant, step: HomeStep, spec: TokenSpec | None) -> None:
@@ -241,6 +268,9 @@ class Releaser:
             if comeback.way is ComebackWay.WAIT:
                 log.warning("%s: %s stays stopped: %s", claimant, holder, comeback.why)
                 continue
+            if comeback.way is ComebackWay.ENDED:
+                self._ended(claimant, holder)
+                continue
             if comeback.way is not ComebackWay.START:
                 log.info("%s: %s stays stopped for %s", claimant, holder, comeback.to)
                 continue
@@ -249,13 +279,30 @@ class Releaser:
                 self._start(claimant, holder)
             except ArbiterError as error:
                 log.error("%s: could not restore %s: %s", claimant, holder, error)
+                screen = {}
+                if isinstance(error, DisplayManagerFailed):
+                    # What went wrong, and where the person in front of it can log in.
+                    screen = {"journal": "\n".join(error.journal), "console": error.console or ""}
                 self.events.emit(
-                    EventKind.RESTORE_FAILED, claimant=claimant, holder=holder, why=str(error)
+                    EventKind.RESTORE_FAILED,
+                    claimant=claimant,
+                    holder=holder,
+                    why=str(error),
+                    **screen,
                 )
                 with self.ledger.transaction() as txn:
                     txn.state = rules.apply_start_failed(txn.state, comeback)
                 continue
             self._came_back(comeback)
+
+    def _ended(self, claimant: Claimant, holder: Claimant) -> None:
+        """A session's record, dealt with: it runs still (the claim stopped half-way
+        before it), or it ended for good and says so."""
+        if self.host.is_running(holder):
+            self.events.emit(EventKind.RESTORED, claimant=claimant, holder=holder)
+            return
+        log.info("%s: %s is not started again: a session cannot be", claimant, holder)
+        self.events.emit(EventKind.SESSION_ENDED, claimant=claimant, holder=holder)
 
     def _start(self, claimant: Claimant, holder: Claimant) -> None:
         # A planned stop may have happened just before a crash: whatever is not

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from charly_arbiter.core.config import DEFAULT_CONFIG, Config
 from charly_arbiter.core.host import MigState, PciFunction, TokenSpec
-from charly_arbiter.core.model import Mode
+from charly_arbiter.core.model import ConsolePolicy, Mode, ScreenPolicy
 from charly_arbiter.errors import HostError, MigInvalid, TokensOverlap, UnknownToken, cli_command
 
 
@@ -97,6 +97,12 @@ def _with_physical_functions(
     return specs
 
 
+def console_policy(console: ConsolePolicy, screen: ScreenPolicy) -> ConsolePolicy:
+    """A token's console policy: `screen = "release"` releases the console too (a
+    screen given up for a VM takes its console with it)."""
+    return ConsolePolicy.RELEASE if screen is ScreenPolicy.RELEASE else console
+
+
 class TokenCatalogue:
     def __init__(self, config: Config, host: PciSource) -> None:
         self.config = config
@@ -121,13 +127,15 @@ class TokenCatalogue:
                         functions = tuple(self.host.token_functions(token.name, token.address))
                     except HostError as error:
                         functions, missing[token.name] = (), error
+                    screen = token.screen or self.config.screen
                     specs[token.name] = TokenSpec(
                         token.name,
                         token.address,
                         functions,
                         token.home_driver,
                         token.cdi,
-                        token.console or self.config.console,
+                        console_policy(token.console or self.config.console, screen),
+                        screen=screen,
                         vgpu_type=token.vgpu_type,
                     )
                 specs = _with_physical_functions(specs, missing)
@@ -148,7 +156,11 @@ class TokenCatalogue:
                         continue
                     functions = tuple(self.host.token_functions(gpu.address, gpu.address))
                     specs[gpu.address] = TokenSpec(
-                        gpu.address, gpu.address, functions, console=self.config.console
+                        gpu.address,
+                        gpu.address,
+                        functions,
+                        console=console_policy(self.config.console, self.config.screen),
+                        screen=self.config.screen,
                     )
             check_overlap(specs.values(), self.config.path or DEFAULT_CONFIG)
             self._specs = specs

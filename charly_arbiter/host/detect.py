@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from charly_arbiter.core.host import PciFunction
+from charly_arbiter.core.host import PciFunction, ScreenUse, TokenSpec
 from charly_arbiter.core.model import VFIO
 from charly_arbiter.core.pci import slot_of
 from charly_arbiter.host.local import LocalHost
@@ -75,6 +75,8 @@ class GpuInfo:
     vfio_node_accessible: bool | None
     physfn: str | None = None  # a virtual function: not a GPU of its own
     vfs: tuple[str, ...] = ()  # the virtual functions this GPU has enabled
+    # Who uses its screen (ScreenUse.as_json): boot display, console, sessions.
+    screen: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -288,11 +290,20 @@ def detect(host: LocalHost, vm_memory: int = DEFAULT_VM_MEMORY_MIB * 2**20) -> D
                 ),
                 physfn=function.physfn,
                 vfs=function.sriov.vfs if function.sriov else (),
+                screen=None if function.physfn else screen_of(host, function.address).as_json(),
             )
         )
     return Detection(
         tuple(functions.values()), tuple(gpus), vfio_readiness(host, vm_memory), nvml_note
     )
+
+
+def screen_of(host: LocalHost, address: str) -> ScreenUse:
+    """Who uses the screen of the GPU at `address` and its IOMMU group, named as the
+    configuration names its token (else by its address)."""
+    name = next((t.name for t in host.config.tokens if t.address == address), address)
+    functions = tuple(host.token_functions(name, address))
+    return host.screen(TokenSpec(name, address, functions))
 
 
 def document(detection: Detection) -> dict[str, Any]:
@@ -354,6 +365,8 @@ def render(detection: Detection) -> str:
             lines.append(f"    a virtual function of {g.physfn}, not a GPU of its own")
         if g.vfs:
             lines.append(f"    its virtual functions: {', '.join(g.vfs)}")
+        if g.screen is not None:
+            lines.append(f"    {g.screen['text']}")
         verdict = "viable for passthrough" if g.viable else "NOT viable for passthrough: "
         lines.append(f"    {verdict}{'; '.join(g.not_viable_because)}")
         if g.vfio_node:

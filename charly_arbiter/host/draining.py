@@ -44,6 +44,7 @@ from charly_arbiter.core.host import (
     MigChange,
     MigState,
     PciFunction,
+    ScreenUse,
     TokenSpec,
 )
 from charly_arbiter.core.model import Claimant, ProcessRef
@@ -252,6 +253,9 @@ class Drained:
     def start(self, ref: Claimant) -> None:
         self.drains.start(ref, lambda: self.inner.start(ref), lambda: self.inner.is_running(ref))
 
+    def tell(self, sessions: Sequence[Claimant], message: str) -> None:
+        self.inner.tell(sessions, message)
+
     # -- the rest is the host's own ----------------------------------------------------
 
     def boot_id(self) -> str:
@@ -286,6 +290,9 @@ class Drained:
     def device_functions(self, numbers: Sequence[tuple[int, int]]) -> Mapping[tuple[int, int], str]:
         return self.inner.device_functions(numbers)
 
+    def screen(self, token: TokenSpec) -> ScreenUse:
+        return self.inner.screen(token)
+
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         return self.inner.passthrough_blocker(token)
 
@@ -297,6 +304,18 @@ class Drained:
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         self.inner.regenerate_cdi(token)
+
+    def inhibit(self, token: str, why: str) -> None:
+        self.inner.inhibit(token, why)
+
+    def uninhibit(self, token: str) -> None:
+        self.inner.uninhibit(token)
+
+    def inhibitors(self) -> Mapping[str, str]:
+        return self.inner.inhibitors()
+
+    def sleep_lock_unavailable(self) -> str | None:
+        return self.inner.sleep_lock_unavailable()
 
     def close(self) -> None:
         self.inner.close()

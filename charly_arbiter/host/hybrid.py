@@ -21,6 +21,7 @@ from charly_arbiter.core.host import (
     MigChange,
     MigState,
     PciFunction,
+    ScreenUse,
     TokenSpec,
 )
 from charly_arbiter.core.model import Claimant, ProcessRef
@@ -124,6 +125,12 @@ class HybridHost:
         else:
             self.sim.start(ref)
 
+    def tell(self, sessions: Sequence[Claimant], message: str) -> None:
+        self.sim.tell(sessions, message)
+
+    def screen(self, token: TokenSpec) -> ScreenUse:
+        return self.sim.screen(token)
+
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         return self.sim.passthrough_blocker(token)
 
@@ -135,6 +142,18 @@ class HybridHost:
 
     def regenerate_cdi(self, token: TokenSpec) -> None:
         self.sim.regenerate_cdi(token)
+
+    def inhibit(self, token: str, why: str) -> None:
+        self.sim.inhibit(token, why)
+
+    def uninhibit(self, token: str) -> None:
+        self.sim.uninhibit(token)
+
+    def inhibitors(self) -> Mapping[str, str]:
+        return self.sim.inhibitors()
+
+    def sleep_lock_unavailable(self) -> str | None:
+        return self.sim.sleep_lock_unavailable()
 
     def close(self) -> None:
         self.real.close()

@@ -24,11 +24,19 @@ from charly_arbiter.core.host import (
     MigChange,
     MigState,
     PciFunction,
+    ScreenUse,
     TokenSpec,
     common_blocker,
     vgpu_type_of,
 )
-from charly_arbiter.core.model import VFIO, Claimant, ConsolePolicy, ProcessRef, target_label
+from charly_arbiter.core.model import (
+    SCREEN_KINDS,
+    VFIO,
+    Claimant,
+    ConsolePolicy,
+    ProcessRef,
+    target_label,
+)
 from charly_arbiter.errors import (
     CommandFailed,
     HostError,
@@ -44,12 +52,15 @@ from charly_arbiter.host.blocking import TimedOut, Writer, bounded, errno_text
 from charly_arbiter.host.console import Console
 from charly_arbiter.host.devnodes import device_functions
 from charly_arbiter.host.holders import HolderRegistry, HolderSource, SourceFactory, known_owner
+from charly_arbiter.host.holders.desktop import DesktopHolders
 from charly_arbiter.host.holders.nvidia import NvidiaPersistence
 from charly_arbiter.host.holders.process import ProcessHolders
+from charly_arbiter.host.inhibit import SleepLocks
 from charly_arbiter.host.kmod import MODULES_ROOT, KernelModules
 from charly_arbiter.host.nvml import Nvml
 from charly_arbiter.host.pcidata import pci_data
 from charly_arbiter.host.procscan import DeviceNumber, process_alive, process_ref
+from charly_arbiter.host.screen import ScreenReader
 from charly_arbiter.host.sysfs import HOST_ROOTS, SYS_ROOT, Roots, Switcher, Sysfs
 from charly_arbiter.host.sysfs import write_attribute as default_writer
 
@@ -141,12 +152,17 @@ class LocalHost:
             self.switcher.blocking_writer,
             config.timeouts.driver_switch,
         )
+        self.screens = ScreenReader(self.sysfs, roots, self.console)
         self.nvml = Nvml()
         self.mig_error = ""  # why `mig` said None last
+        self.sleep_locks = SleepLocks(
+            roots.run, config.timeouts.holder_start, config.timeouts.holder_stop
+        )
         self.processes = ProcessHolders(
             config, self.sysfs, roots.proc, roots.dev, nvml_processes=self._nvml_processes
         )
         self.persistence = NvidiaPersistence(config)
+        self.desktop = DesktopHolders(config, roots)  # a screen's, when it is released
         # Processes (and the NVIDIA daemon's hold on a GPU) are this host's own; every
         # other kind comes from `sources`.
         own = (ProcessHolders.kind, NvidiaPersistence.kind)
@@ -277,6 +293,9 @@ class LocalHost:
                         "errors); try `nvidia-smi -r -i` on it, else reboot the host",
                     )
 
+    def screen(self, token: TokenSpec) -> ScreenUse:
+        return self.screens.of(token)
+
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         blocker = common_blocker(token)
         if blocker is None and not self._vfio_available():
@@ -390,6 +409,8 @@ class LocalHost:
             return self.processes
         if kind == NvidiaPersistence.kind:
             return self.persistence
+        if kind in SCREEN_KINDS:
+            return self.desktop
         return self.registry.for_ref(ref)
 
     def _nvml_processes(self) -> dict[str, frozenset[int]] | None:
@@ -411,6 +432,9 @@ class LocalHost:
     def start(self, ref: Claimant) -> None:
         self.source(ref).start(ref)
 
+    def tell(self, sessions: Sequence[Claimant], message: str) -> None:
+        self.desktop.tell(sessions, message)
+
     def regenerate_cdi(self, token: TokenSpec) -> None:
         """`nvidia-ctk cdi generate` after an NVIDIA GPU moved, either way: it lists
         the GPUs NVML sees on `nvidia`, so one that left for vfio-pci drops out."""
@@ -422,6 +446,18 @@ class LocalHost:
             return
         run.run([tool, "cdi", "generate", f"--output={self.cdi_spec}"], timeout=120)
         log.info("%s: regenerated %s", token.name, self.cdi_spec)
+
+    def inhibit(self, token: str, why: str) -> None:
+        self.sleep_locks.inhibit(token, why)
+
+    def uninhibit(self, token: str) -> None:
+        self.sleep_locks.uninhibit(token)
+
+    def inhibitors(self) -> dict[str, str]:
+        return self.sleep_locks.inhibitors()
+
+    def sleep_lock_unavailable(self) -> str | None:
+        return self.sleep_locks.unavailable()
 
     def close(self) -> None:
         self.nvml.close()

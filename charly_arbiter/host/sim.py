@@ -43,6 +43,9 @@ from charly_arbiter.core.host import (
     MigInstance,
     MigState,
     PciFunction,
+    ScreenProcess,
+    ScreenSession,
+    ScreenUse,
     Sriov,
     TokenSpec,
     Vgpu,
@@ -50,9 +53,19 @@ from charly_arbiter.core.host import (
     sriov_enabled_why,
     vgpu_type_of,
 )
-from charly_arbiter.core.model import VFIO, Claimant, ConsolePolicy, ProcessRef, target_label
+from charly_arbiter.core.model import (
+    SCREEN_KINDS,
+    VFIO,
+    Claimant,
+    ConsolePolicy,
+    HolderKind,
+    ProcessRef,
+    target_label,
+    user_unit,
+)
 from charly_arbiter.core.pci import vf_address
 from charly_arbiter.errors import (
+    DisplayManagerFailed,
     HolderError,
     HostError,
     MigFailed,
@@ -147,7 +160,15 @@ class SimHost:
         return {
             "boot_id": _new_boot_id(),
             "drivers": {d["address"]: d.get("driver", "") for d in self._devices()},
-            "running": {_ref(h): bool(h.get("running", False)) for h in self._holder_specs()},
+            "running": {
+                **{_ref(h): bool(h.get("running", False)) for h in self._holder_specs()},
+                **{
+                    self._unit_of(ref): True
+                    for screen in self._screens()
+                    for ref in _screen_refs(screen)
+                    if self._unit_of(ref) == ref
+                },
+            },
             "unknown_alive": True,
             "cdi_generations": 0,
             "log": [],
@@ -457,12 +478,28 @@ class SimHost:
     def are_running(self, refs: Sequence[Claimant]) -> dict[Claimant, bool]:
         with self._state() as state:
             running, unknown = state["running"], bool(state["unknown_alive"])
-            return {ref: bool(running[ref]) if ref in running else unknown for ref in refs}
+            return {
+                ref: bool(running[unit]) if (unit := self._unit_of(ref)) in running else unknown
+                for ref in refs
+            }
 
     def stop(self, ref: Claimant) -> None:
-        self._set_running(ref, False, "fail_stop", "stop")
+        self._set_running(self._unit_of(ref), False, "fail_stop", "stop")
+
+    def _unit_of(self, ref: Claimant) -> Claimant:
+        """A display manager host.toml lists as a systemd holder is that holder: one
+        unit, by either name (a `[[sessions]]` entry's display manager)."""
+        ref = Claimant.parse(ref)
+        if ref.kind is HolderKind.DISPLAY_MANAGER:
+            unit = Claimant.of(HolderKind.SYSTEMD, ref.name)
+            if self._spec(unit) is not None:
+                return unit
+        return ref
 
     def start(self, ref: Claimant) -> None:
+        if Claimant.parse(ref).kind in SCREEN_KINDS:
+            self._start_screen(Claimant.parse(ref))
+            return
         spec = self._spec(ref)
         if spec is not None and spec.get("kind") == "process":
             log.info("%s was a process; there is nothing to start again", ref)
@@ -479,6 +516,184 @@ class SimHost:
 
     def _spec(self, ref: Claimant) -> dict[str, Any] | None:
         return next((s for s in self._holder_specs() if _ref(s) == ref), None)
+
+    def screen(self, token: TokenSpec) -> ScreenUse:
+        """A device's `boot_vga = true` makes it the boot display, `console = true` puts
+        the framebuffer console on it, and each `[[sessions]]` entry on it is a logind
+        session whose compositor holds its card (see docs/simulated-host.md): all of
+        them only while the device is on its own driver, and a session only while its
+        `display_manager`, where that is a simulated holder, runs."""
+        addresses = {f.address for f in token.functions}
+        with self._state() as state:
+            drivers = dict(state["drivers"])
+            running = dict(state["running"])
+        devices = [d for d in self._devices() if d["address"] in addresses]
+        home = {d["address"] for d in devices if drivers.get(d["address"]) not in ("", VFIO, None)}
+        listed = {_ref(spec) for spec in self._holder_specs()}
+        sessions: list[ScreenSession] = []
+        processes: list[ScreenProcess] = []
+        user_units: list[str] = []
+        for spec in self._description().get("sessions", []):
+            unit = _optional_str(spec.get("display_manager"))
+            manager = Claimant.of("systemd", unit) if unit else None
+            if spec.get("device") not in home:
+                continue
+            if manager is not None and manager in listed and not running.get(manager, False):
+                continue
+            session = _session(spec, unit)
+            sessions.append(session)
+            processes.append(
+                ScreenProcess(
+                    int(spec.get("pid", session.leader)),
+                    str(spec.get("compositor", "compositor")),
+                    session.uid,
+                    tuple(str(n) for n in spec.get("nodes", ["card0"])),
+                    session.id,
+                    f"session-{session.id}.scope",
+                )
+            )
+            user_units.extend(
+                f"user@{session.uid}.service: {name}" for name in spec.get("user_units", [])
+            )
+        use = ScreenUse(
+            token.name,
+            boot_vga=any(d.get("boot_vga") for d in devices),
+            fbcon=any(d.get("console") for d in devices if d["address"] in home),
+            processes=tuple(processes),
+            sessions=tuple(sessions),
+            display_manager=next((s.display_manager for s in sessions if s.display_manager), None),
+            user_units=tuple(dict.fromkeys(user_units)),
+        )
+        return self._desktop(use, home)
+
+    # -- a desktop on a GPU: `[[screens]]` (a display manager, its sessions, user units) --
+
+    def _screens(self) -> list[dict[str, Any]]:
+        return list(self._description().get("screens", []))
+
+    def _desktop(self, use: ScreenUse, home: Collection[str]) -> ScreenUse:
+        """Who draws on the token's functions that are home, as `[[screens]]` describe
+        them: the display manager's greeter while it runs with no session, each running
+        session's compositor, each running user unit's process (its card held)."""
+        with self._state() as state:
+            running = dict(state["running"])
+        # A session the arbiter ended is gone, whoever describes it (`[[sessions]]` too).
+        ended = {
+            s.id for s in use.sessions if not running.get(f"{HolderKind.SESSION}:{s.id}", True)
+        }
+        if ended:
+            use = replace(
+                use,
+                sessions=tuple(s for s in use.sessions if s.id not in ended),
+                processes=tuple(p for p in use.processes if p.session not in ended),
+            )
+        processes: list[ScreenProcess] = []
+        sessions: list[ScreenSession] = []
+        manager = None
+        units: list[str] = []
+        for screen in self._screens():
+            if screen.get("address") not in home:
+                continue
+            unit = str(screen["display_manager"])
+            dm_runs = running.get(
+                str(self._unit_of(Claimant.of(HolderKind.DISPLAY_MANAGER, unit))), False
+            )
+            pid = 4000 + 100 * self._screens().index(screen)
+            live = [
+                item
+                for item in screen.get("sessions", [])
+                if running.get(str(Claimant.of(HolderKind.SESSION, str(item["id"]))), False)
+            ]
+            for index, item in enumerate(live):
+                session = ScreenSession(
+                    str(item["id"]),
+                    "seat0",
+                    str(item.get("type", "wayland")),
+                    int(item.get("uid", 1000)),
+                    str(item.get("user", "")),
+                    pid + 10 * (index + 1),
+                    unit,
+                )
+                sessions.append(session)
+                processes.append(
+                    ScreenProcess(
+                        session.leader,
+                        str(item.get("compositor", "weston")),
+                        session.uid,
+                        ("card0",),
+                        session.id,
+                        f"session-{session.id}.scope",
+                    )
+                )
+            uid = (
+                int(screen.get("sessions", [{}])[0].get("uid", 1000))
+                if screen.get("sessions")
+                else 1000
+            )
+            for index, name in enumerate(screen.get("user_units", [])):
+                if running.get(str(user_unit(uid, str(name))), False):
+                    units.append(f"user@{uid}.service: {name}")
+                    processes.append(
+                        ScreenProcess(
+                            pid + 50 + index,
+                            str(name).partition(".")[0][:15],
+                            uid,
+                            ("card0",),
+                            None,
+                            f"user@{uid}.service/app.slice/{name}",
+                        )
+                    )
+            if dm_runs:
+                manager = unit
+                if not live:
+                    processes.append(ScreenProcess(pid, "greeter", 0, ("card0",), None, unit))
+        if not processes and manager is None:
+            return use
+        return replace(
+            use,
+            processes=(*use.processes, *processes),
+            sessions=(*use.sessions, *sessions),
+            display_manager=use.display_manager or manager,
+            user_units=(*use.user_units, *units),
+        )
+
+    def _screen_of(self, ref: Claimant) -> dict[str, Any] | None:
+        return next((s for s in self._screens() if ref in _screen_refs(s)), None)
+
+    def _start_screen(self, ref: Claimant) -> None:
+        """A session is never started again; a user unit is; the display manager comes
+        up, or (`fail_start` in its `[[screens]]`) fails as the local host meets it:
+        stopped, reset, and a text login on tty1 in its place."""
+        screen = self._screen_of(ref)
+        if ref.kind is HolderKind.SESSION:
+            log.info("%s is a session: a session is not started again", ref)
+            return
+        unit = self._unit_of(ref)
+        listed = self._spec(unit) if unit != ref else None
+        failing = (screen or {}).get("fail_start") or (listed or {}).get("fail_start")
+        if ref.kind is HolderKind.DISPLAY_MANAGER and failing:
+            getty = "systemd:getty@tty1.service"
+            with self._state() as state:
+                state["running"][unit] = False
+                state["running"][getty] = True
+                state["log"] += [f"start {ref} failed", f"reset-failed {ref}", f"start {getty}"]
+            raise DisplayManagerFailed(
+                ref,
+                ref.name,
+                "it did not come up (simulated: fail_start)",
+                (
+                    f"{ref.name}: simulated failure",
+                    f"{ref.name}: Failed with result 'exit-code'.",
+                ),
+                "tty1",
+            )
+        with self._state() as state:
+            state["running"][unit] = True
+            state["log"].append(f"start {ref}")
+
+    def tell(self, sessions: Sequence[Claimant], message: str) -> None:
+        with self._state() as state:
+            state["log"] += [f"tell {session}: {message}" for session in sessions]
 
     def passthrough_blocker(self, token: TokenSpec) -> Blocker | None:
         """`iommu = false` or `vfio_pci = false` in host.toml model a host that
@@ -520,6 +735,34 @@ class SimHost:
 
     def close(self) -> None:
         pass
+
+    # -- sleep locks: logind's inhibitors, as the local host holds them --------------------
+
+    def inhibit(self, token: str, why: str) -> None:
+        """Hold `token`'s sleep lock (state.json's `sleep_locks`); `systemd = false` in
+        host.toml models a host without systemd, which cannot hold one."""
+        if not self._description().get("systemd", True):
+            raise HostError(
+                f"{token}: cannot block sleep: systemd is not running here "
+                "(simulated: systemd = false)"
+            )
+        with self._state() as state:
+            state.setdefault("sleep_locks", {})[token] = why
+            state["log"].append(f"inhibit {token}")
+
+    def uninhibit(self, token: str) -> None:
+        with self._state() as state:
+            if state.setdefault("sleep_locks", {}).pop(token, None) is not None:
+                state["log"].append(f"uninhibit {token}")
+
+    def inhibitors(self) -> dict[str, str]:
+        with self._state() as state:
+            return {str(token): str(why) for token, why in state.get("sleep_locks", {}).items()}
+
+    def sleep_lock_unavailable(self) -> str | None:
+        if not self._description().get("systemd", True):
+            return "systemd is not running here (simulated: systemd = false)"
+        return None
 
     # -- MIG: what NVML says and does, for a GPU with `mig_profiles` ------------------------
 
@@ -718,6 +961,32 @@ def _new_boot_id() -> str:
 
 def _ref(spec: Mapping[str, Any]) -> Claimant:
     return Claimant.of(str(spec.get("kind", "")), str(spec.get("name", "")))
+
+
+def _session(spec: Mapping[str, Any], display_manager: str | None) -> ScreenSession:
+    try:
+        return ScreenSession(
+            id=str(spec["id"]),
+            seat=_optional_str(spec.get("seat", "seat0")),
+            type=str(spec.get("type", "wayland")),
+            uid=int(spec.get("uid", 1000)),
+            user=str(spec.get("user", "")),
+            leader=int(spec.get("leader", 0)),
+            display_manager=display_manager,
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise HostError(f"a [[sessions]] entry of the simulated host is wrong: {error!r}") from None
+
+
+def _screen_refs(screen: Mapping[str, Any]) -> list[Claimant]:
+    """The holders one `[[screens]]` entry stands for."""
+    sessions = list(screen.get("sessions", []))
+    uid = int(sessions[0].get("uid", 1000)) if sessions else 1000
+    return [
+        Claimant.of(HolderKind.DISPLAY_MANAGER, str(screen["display_manager"])),
+        *(Claimant.of(HolderKind.SESSION, str(item["id"])) for item in sessions),
+        *(user_unit(uid, str(name)) for name in screen.get("user_units", [])),
+    ]
 
 
 def _optional_str(value: Any) -> str | None:

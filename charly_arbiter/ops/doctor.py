@@ -22,7 +22,7 @@ from charly_arbiter.core.arbiter import Arbiter, rollback_found
 from charly_arbiter.core.config import Config
 from charly_arbiter.core.events import EventKind
 from charly_arbiter.core.host import Host
-from charly_arbiter.core.model import VFIO, LedgerState, human_time
+from charly_arbiter.core.model import VFIO, LedgerState, SleepPolicy, human_time
 from charly_arbiter.core.planner import unaccounted, unaccounted_hint
 from charly_arbiter.errors import ArbiterError, TokensOverlap, cli_command
 from charly_arbiter.host import run
@@ -141,6 +141,32 @@ def host_checks(
         )
     )
     return checks
+
+
+def sleep_check(policy: SleepPolicy, host: Host) -> Check:
+    """Whether the host can keep itself from suspending while a GPU is passed through
+    (a logind inhibitor lock held by a transient unit: host/inhibit.py)."""
+    if policy is SleepPolicy.ALLOW:
+        return Check(
+            "sleep",
+            Level.OK,
+            'sleep = "allow": the host may suspend while a GPU is passed through',
+        )
+    problem = host.sleep_lock_unavailable()
+    if problem is not None:
+        return Check(
+            "sleep",
+            Level.WARNING,
+            f"sleep cannot be blocked while a GPU is passed through: {problem}; VMs start "
+            "all the same, and the host may suspend under them",
+            "run systemd with logind (systemd-run, systemd-inhibit), or set "
+            '`sleep = "allow"` in arbiter.toml to accept it',
+        )
+    return Check(
+        "sleep",
+        Level.OK,
+        "sleep is blocked while a GPU is passed through (a logind inhibitor lock)",
+    )
 
 
 def reset_check(token: str, members: Sequence[FunctionInfo]) -> Check | None:
@@ -328,6 +354,7 @@ def run_checks(
     groups: list[Callable[[], list[Check]]] = [
         lambda: host_checks(arbiter.config, arbiter.host, vm_memory, arbiter.tokens.merged),
         lambda: [hook_check(hook)],
+        lambda: [sleep_check(arbiter.config.sleep, arbiter.host)],
         lambda: ledger_checks(arbiter, history),
         *more,
     ]

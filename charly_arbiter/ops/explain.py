@@ -10,14 +10,23 @@ fixes it.  Pure: the CLI gathers the facts, this only words them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from charly_arbiter.core.arbiter import Status, TokenStatus, rollback_found
 from charly_arbiter.core.events import EventKind, and_list, describe
-from charly_arbiter.core.host import Holder
-from charly_arbiter.core.model import Lease, LeaseState, Mode, StepState, as_time, human_time
+from charly_arbiter.core.host import Holder, ScreenUse
+from charly_arbiter.core.model import (
+    HolderKind,
+    Lease,
+    LeaseState,
+    Mode,
+    ScreenPolicy,
+    StepState,
+    as_time,
+    human_time,
+)
 from charly_arbiter.core.planner import unaccounted_hint
 from charly_arbiter.errors import cli_command
 from charly_arbiter.ops.history import Record, last_holder
@@ -30,6 +39,8 @@ class Facts:
     history: Sequence[Record]
     interrupted: frozenset[int]  # indexes into `history` (see history.interrupted)
     now: datetime
+    # Who uses each token's screen now, with the token's `screen` policy.
+    screens: Mapping[str, tuple[ScreenUse, ScreenPolicy]] = field(default_factory=dict)
 
 
 def explain_token(name: str, facts: Facts) -> list[str]:
@@ -44,6 +55,20 @@ def explain_token(name: str, facts: Facts) -> list[str]:
         )
     elif token.unaccounted:
         sentences += _unaccounted(token, facts)
+    elif not holding and (
+        kept := [
+            lease
+            for lease in facts.status.leases
+            if name in lease.tokens
+            and lease.claimant in facts.status.stranded
+            and _screen_not_back(lease)
+        ]
+    ):
+        # Kept because its display manager did not come back: the token is home and no
+        # lease holds it, yet it is this token's desktop that is missing (finding F2).
+        sentences.append(f"{label} is home, but the desktop it drove is not back.")
+        for lease in kept:
+            sentences += _screen_story(lease, facts)
     elif not holding:
         sentences.append(_unleased(label, token.users))
     elif token.mode == Mode.EXCLUSIVE:
@@ -56,6 +81,7 @@ def explain_token(name: str, facts: Facts) -> list[str]:
         sentences.append(f"{label} is shared by {who}.")
         sentences += [f"It is also {_use(holder)}." for holder in token.users]
     sentences.append(_drivers(token))
+    sentences += _screen(name, facts)
     if token.bound_by_admin:
         sentences.append(
             "Its home is vfio-pci: the administrator keeps it there on purpose (`adopt "
@@ -70,6 +96,30 @@ def explain_token(name: str, facts: Facts) -> list[str]:
     sentences += _interrupted(
         {r.claimant for r in facts.status.leases if name in r.tokens}, facts, only_token=name
     )
+    return sentences
+
+
+def _screen(name: str, facts: Facts) -> list[str]:
+    """Who uses its screen, and what an exclusive claim does about it."""
+    if name not in facts.screens:
+        return []
+    use, policy = facts.screens[name]
+    if not use.drives_screen:
+        return []
+    sentences = [f"{use.describe()}."]
+    if not use.processes:
+        return sentences
+    if policy is ScreenPolicy.RELEASE:
+        sentences.append(
+            'With screen = "release", an exclusive claim stops them first, and the display '
+            "manager is started again when the GPU comes back (a login screen, not the session)."
+        )
+    else:
+        sentences.append(
+            "An exclusive claim on it is refused while they use it. Fix: end the session "
+            f'first, or set screen = "release" for {name} in arbiter.toml to let the arbiter '
+            "stop them and start the display manager again afterwards."
+        )
     return sentences
 
 
@@ -213,7 +263,10 @@ def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list
         sentences.append(f"The switch of {_and(pending)} to {target} was planned but not done.")
     if pending and lease.state is LeaseState.RELEASING:
         sentences.append(f"{_and(pending)} had still to be sent home.")
-    if lease.claimant in facts.status.stranded:
+    sentences += _sleep(lease, facts)
+    if lease.claimant in facts.status.stranded and _screen_not_back(lease):
+        sentences += _screen_story(lease, facts)
+    elif lease.claimant in facts.status.stranded:
         sentences.append(
             f"The lease of {lease.claimant} is stranded: {stranded_why(lease, facts.boot_id)}. "
             f"Fix: run {cli_command('restore', operands=[lease.claimant])} (it brings back "
@@ -225,10 +278,95 @@ def _lease_story(lease: Lease, facts: Facts, subject: str | None = None) -> list
     return sentences
 
 
+def _screen_not_back(lease: Lease) -> tuple[str, ...]:
+    """The display managers a finished release could not bring back (it tried: its
+    writer is gone and the record is still there, stopped)."""
+    if lease.state is not LeaseState.RELEASING or lease.owner is not None:
+        return ()
+    return tuple(
+        record.holder.name
+        for record in lease.unrestored()
+        if record.holder.kind is HolderKind.DISPLAY_MANAGER and record.state is StepState.DONE
+    )
+
+
+def _screen_story(lease: Lease, facts: Facts) -> list[str]:
+    """Finding F2: a kept lease whose display manager did not come back, what the person
+    in front of the screen has instead, what the journal said, and what to do."""
+    units = _screen_not_back(lease)
+    failures = [
+        r
+        for r in facts.history
+        if r.kind == EventKind.RESTORE_FAILED
+        and r.get("claimant") == lease.claimant
+        and r.get("holder").removeprefix(f"{HolderKind.DISPLAY_MANAGER}:") in units
+    ]
+    sentences = [
+        f"The lease of {lease.claimant} is stranded: {stranded_why(lease, facts.boot_id)}."
+    ]
+    if failures:
+        last = failures[-1]
+        console = last.get("console")
+        sentences.append(
+            f"At {_when(last.time, facts)}: {last.get('why')}"
+            + ("." if console else "; the console has no text login either.")
+        )
+        journal = [line for line in last.get("journal").splitlines() if line.strip()]
+        if journal:
+            sentences.append(f"Its journal ended with: {' / '.join(journal[-5:])}.")
+    unit = units[0]
+    sentences.append(
+        f"Fix: read `journalctl -u {unit}`, mend what it says, then run "
+        f"{cli_command('restore', operands=[lease.claimant])}: it starts {unit} again, "
+        "checks that it draws on the GPU, and drops the lease (your session itself is "
+        "gone: you get the login screen back, not what was open in it)."
+    )
+    return sentences
+
+
+def _sleep(lease: Lease, facts: Facts) -> list[str]:
+    """Whether the host may suspend while the lease passes its GPUs through."""
+    if lease.mode is not Mode.EXCLUSIVE or lease.is_operation:
+        return []
+    sleep = facts.status.sleep
+    held = [f'"{why}"' for token in lease.tokens if (why := sleep.lock_of(token)) is not None]
+    if held:
+        return [
+            "Sleep is blocked while it is passed through: a logind inhibitor lock (what "
+            f"sleep, who charly-arbiter) says {_and(held)}; it is let go when the lease "
+            "is released."
+        ]
+    missing = [token for token in lease.tokens if token in sleep.missing]
+    if missing:
+        cause = lease.sleep_lock_error or sleep.unavailable or "its lock is not held"
+        return [
+            f"Sleep is NOT blocked while {_and(missing)} {'is' if len(missing) == 1 else 'are'} "
+            f"passed through: {cause}; the host may suspend under {lease.claimant}, which "
+            f"would lose its GPU. Fix: once the host can hold the lock (systemd running), run "
+            f"{cli_command('restore', '--stranded')}, which takes it; or set "
+            '`sleep = "allow"` in arbiter.toml to accept it.'
+        ]
+    if sleep.policy == "allow" and lease.state is LeaseState.ACTIVE:
+        return ['Sleep is allowed while it is passed through (`sleep = "allow"`).']
+    return []
+
+
 def stranded_why(lease: Lease, boot_id: str) -> str:
     """Why a stranded lease will never end by itself, as a clause (`status --json` too)."""
     if lease.boot_id != boot_id:
         return "it was made before the last reboot"
+    units = _screen_not_back(lease)
+    away = [token for token, step in lease.switched if step is not StepState.DONE]
+    if units and away:
+        return (
+            f"the display manager {', '.join(units)} waits for {', '.join(away)}, which did "
+            "not come home"
+        )
+    if units:
+        return (
+            f"the display manager {', '.join(units)} did not come back when "
+            f"{', '.join(lease.tokens)} came home"
+        )
     if lease.state is not LeaseState.ACTIVE:
         writer = f" (pid {lease.owner.pid})" if lease.owner else ""
         return (

@@ -100,6 +100,22 @@ class _Collector:
             poisoned.add_metric([token.name], 1 if token.poisoned else 0)
         yield poisoned
 
+        sleep = GaugeMetricFamily(
+            f"{PREFIX}_sleep_blocked",
+            "1 while a logind inhibitor lock keeps the host from suspending because the token "
+            "is passed through.",
+            labels=["token"],
+        )
+        for token in status.tokens:
+            sleep.add_metric([token.name], 1 if status.sleep.lock_of(token.name) else 0)
+        yield sleep
+        yield GaugeMetricFamily(
+            f"{PREFIX}_sleep_locks_missing",
+            "Passed-through tokens whose sleep lock is not held (no systemd, or stopped from "
+            'outside) although sleep = "block".',
+            value=len(status.sleep.missing),
+        )
+
         yield GaugeMetricFamily(
             f"{PREFIX}_stranded_claimants",
             "Leases whose claimant is gone (ended by charly-arbiter's restore).",

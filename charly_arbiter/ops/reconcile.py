@@ -104,6 +104,8 @@ def adopt(arbiter: Arbiter, token: str, claimant: str, history: Sequence[Record]
         claimant=ref,
         stopped=", ".join(record.holder for record in records),
     )
+    # Its sleep lock, held still (the ledger was lost, not the host's lock) or taken now.
+    arbiter.converge_sleep_locks()
     return Adopted(lease, tuple(record.holder for record in records), runs)
 
 
@@ -177,6 +179,7 @@ def send_home(
     # (Written releasing, by this process: the release continues it, as a hook's
     # detached finish continues the hook's.)
     arbiter.releaser().finish(me, True, "sent home", takeover=arbiter.owner)
+    arbiter.converge_sleep_locks()  # a lock the lost lease held goes with it
     left = arbiter.ledger.read().lease_of(me)
     if left is not None:
         raise ArbiterError(

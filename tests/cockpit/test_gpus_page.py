@@ -485,3 +485,36 @@ def test_the_timeline_follows_the_events(cockpit_for, browser):
     assert spans("libvirt:bad") == [("exclusive", -20, -18, False)]
     assert [mark["kind"] for mark in lanes["libvirt:bad"]["marks"]] == ["poisoned", "failed"]
     assert model["start"] < now - 40 and model["end"] > now
+
+
+def test_the_page_says_whether_sleep_is_blocked_while_a_gpu_is_passed_through(
+    make_sim, cockpit_for, browser
+):
+    """A VM's lock on the card in the CLI's words; a lock the host could not take (no
+    systemd) as a warning with what to do; gone once the VM's GPU comes home."""
+    sim = make_sim(host=default_host())
+    sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", check=True)
+    why = sim.status()["tokens"]["gpu0"]["sleep_blocked"]
+    assert why == "gpu0 is passed through to libvirt:win11"
+    cockpit = cockpit_for(arbiter_config(sim.config_path))
+    browser.viewport(1280, 800)
+    browser.open_page(cockpit)
+    card = browser.wait_text("#token-gpu0", f"Sleep blocked while {why}")
+    assert "Sleep" in card
+    assert not browser.driver.find_elements(By.ID, "sleep-gpu1")
+    browser.screenshot("gpus-sleep-blocked")
+
+    # The lock is stopped from outside and the host cannot take it again (no systemd).
+    sim.set_host("systemd = false\n" + (sim.sim_dir / "host.toml").read_text())
+    sim.host().uninhibit("gpu0")
+    alert = browser.wait_text(
+        "#alert-sleep-gpu0", "Sleep is not blocked while gpu0 is passed through", 40
+    )
+    assert "systemd is not running here" in alert
+    assert "charly-arbiter restore --stranded" in alert
+    browser.wait_text("#sleep-gpu0", "Not blocked")
+
+    sim.stopped("libvirt:win11")
+    sim.cli("release", "libvirt:win11", check=True)
+    browser.wait(lambda d: not d.find_elements(By.ID, "sleep-gpu0"), 40)
+    assert not browser.driver.find_elements(By.ID, "alert-sleep-gpu0")

@@ -69,9 +69,14 @@ def read_ledger(state_dir: Path) -> LedgerState:
 
 
 def host_state(sim: Any) -> dict[str, Any]:
-    """The simulated host's drivers and running holders (the log is left out)."""
+    """The simulated host's drivers, running holders and sleep locks (the log is left
+    out)."""
     snapshot = sim.host().snapshot()
-    return {"drivers": snapshot["drivers"], "running": snapshot["running"]}
+    return {
+        "drivers": snapshot["drivers"],
+        "running": snapshot["running"],
+        "sleep_locks": snapshot.get("sleep_locks", {}),
+    }
 
 
 def facts(sim: Any, expected_running: tuple[str, ...] = HOLDER_REFS) -> HostFacts:
@@ -90,5 +95,6 @@ def assert_converged(sim: Any) -> None:
     assert state.leases == (), state.leases
     snapshot = sim.host().snapshot()
     assert snapshot["drivers"] == HOME
+    assert not snapshot.get("sleep_locks"), snapshot["sleep_locks"]
     for ref in HOLDER_REFS:
         assert snapshot["running"][ref], f"{ref} is not running: {snapshot['running']}"

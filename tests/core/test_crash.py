@@ -29,10 +29,12 @@ ACQUIRE_STEPS = (
     "acquire.stop",
     "acquire.stop#2",
     "acquire.switch",
+    "acquire.sleep",
     "acquire.active",
 )
 RELEASE_STEPS = (
     "release.intent",
+    "release.sleep",
     "release.switch",
     "release.start",
     "release.start#2",

@@ -17,13 +17,29 @@ import pytest
 from coretools import ALL_PREEMPTIBLE, HOME, TOKEN_FUNCTIONS
 from interleave import Outcome, World, errors_of, explore
 from invariants import assert_converged, assert_invariants, sim_facts
-from simhosts import PF, VF0, VF1, holder, mig_host, sriov_pf, sriov_tokens, vgpu_pf
+from simhosts import (
+    PF,
+    VF0,
+    VF1,
+    desktop,
+    holder,
+    mig_host,
+    session,
+    sriov_pf,
+    sriov_tokens,
+    vgpu_pf,
+)
 
 from charly_arbiter.core.host import MigChange
 from charly_arbiter.core.migop import change_mig
 from charly_arbiter.core.model import VFIO, LeaseState, Mode
 from charly_arbiter.core.vfcount import set_vf_count
-from charly_arbiter.errors import ClaimRefused, LeaseInProgress, MigInvalid, VfCountRefused
+from charly_arbiter.errors import (
+    ClaimRefused,
+    LeaseInProgress,
+    MigInvalid,
+    VfCountRefused,
+)
 
 CONFIG = """
 host = "sim:{root}/host"
@@ -337,6 +353,45 @@ def test_a_shared_claim_stops_only_the_vm_that_has_the_gpu_passed_through():
         preemptions=1,
         crash=True,
         floor=20,
+        finish=finish,
+    )
+
+
+@pytest.mark.parametrize("crash", [False, True], ids=["", "kill-9"])
+def test_the_desktop_coming_back_during_a_claim_is_never_taken_from_its_user(crash):
+    """Issue 19: a has gpu1 (its desktop's display manager stopped for it, while nobody
+    was logged in); now alice's session is configured to come back with the display
+    manager.  a's release (the hook's, with its detached finish) races b's exclusive
+    claim on gpu1: b may take over the display manager's pending restart (the desktop
+    is not there yet) or be refused once it is back (ScreenInUse, or a retry that ends
+    refused); in no schedule does anyone stop the display manager again, and every
+    kill -9 is restored as ever."""
+
+    def scenario(world: World) -> None:
+        start_with(world, ("acquire", "libvirt:a", Mode.EXCLUSIVE, ("gpu1",)))
+        desktop = ALL_PREEMPTIBLE + "\n" + session("0000:0b:00.0")
+        (world.sim_dir / "host.toml").write_text(desktop)
+
+    def finish(outcome: Outcome) -> None:
+        log = outcome.world.host().snapshot()["log"]
+        stops = [line for line in log if line == "stop systemd:display-manager.service"]
+        assert len(stops) == 1, (log, outcome.choices)  # a's own, before the race
+        assert outcome_of(outcome, "b") in ("ok", "ScreenInUse", "ClaimRefused"), outcome.errors
+        held = outcome.world.ledger().read().lease_of("libvirt:b")
+        if held is not None and held.state is LeaseState.ACTIVE:
+            # (b's claim went through, not killed: the desktop was not there)
+            running = outcome.world.host().snapshot()["running"]
+            assert not running["systemd:display-manager.service"], (log, outcome.choices)
+
+    run(
+        scenario,
+        [
+            ("a-release", hook_release("libvirt:a")),
+            ("b", acquire("libvirt:b", Mode.EXCLUSIVE, "gpu1")),
+        ],
+        preemptions=2,
+        crash=crash,
+        floor=15,
         finish=finish,
     )
 
@@ -697,3 +752,71 @@ def test_a_mig_change_racing_a_container_on_an_instance_it_removes():
         preemptions=1,
         floor=15,
     )
+
+
+# -- the screen of the GPU given to a VM (`screen = "release"`) ------------------------------
+
+DM, SESSION = "display-manager:gdm.service", "session:3"
+SHELL = "systemd-user:1000/org.gnome.Shell@wayland.service"
+SCREEN_CONFIG = CONFIG.replace(
+    '[tokens.gpu0]\naddress = "0000:0a:00.0"\n',
+    '[tokens.gpu0]\naddress = "0000:0a:00.0"\nscreen = "release"\n',
+).replace("claim_wait = 3\n", "claim_wait = 3\nscreen_grace = 0.5\n")
+
+
+def start_desktop(world: World, *steps: tuple[str, str, Mode, tuple[str, ...]]) -> None:
+    """The default host with a desktop on gpu0 (a display manager, alice's session, her
+    shell as a user unit), gpu0 released by policy."""
+    start_with(world, host=ALL_PREEMPTIBLE + "\n" + desktop("0000:0a:00.0"))
+    world.config_path.write_text(SCREEN_CONFIG.format(root=world.root))
+    for action, claimant, mode, tokens in steps:
+        arbiter = world.arbiter(1)
+        if action == "acquire":
+            arbiter.acquire(claimant, mode, list(tokens))
+
+
+def screen_check(world: World, where: str) -> None:
+    """I1-I3, and the screen: nothing of the desktop runs while gpu0 is away from its
+    driver (it is stopped before the switch, and started after the GPU is home)."""
+    check(world, where)
+    snapshot = world.host().snapshot()
+    if snapshot["drivers"]["0000:0a:00.0"] == VFIO:
+        up = [ref for ref in (DM, SESSION, SHELL) if snapshot["running"].get(ref)]
+        assert not up, f"{where}: {up} run while gpu0 is on vfio-pci"
+
+
+def desktop_back(outcome: Outcome) -> None:
+    """Every claimant gone and restored: the display manager runs again (its login
+    screen); the session does not, unless nothing had ended it."""
+    no_unexpected_errors(outcome)
+    converge(outcome)
+    running = outcome.world.host().snapshot()["running"]
+    assert running[DM], (outcome.choices, running)
+
+
+def test_kill_9_anywhere_in_a_desktops_release_racing_a_claim_then_restore():
+    """A VM that took the desktop's GPU ends while another VM claims it; a kill -9 at any
+    yield point of either; restore then gives the desktop back (its display manager)."""
+    stats = explore(
+        lambda w: start_desktop(w, ("acquire", "libvirt:a", Mode.EXCLUSIVE, ("gpu0",))),
+        [("a-release", release("libvirt:a")), ("b", acquire("libvirt:b", Mode.EXCLUSIVE, "gpu0"))],
+        screen_check,
+        desktop_back,
+        preemptions=1,
+        crash=True,
+    )
+    print(f"\n{stats.schedules} schedules, {stats.steps} steps, {stats.crashes} kill -9s checked")
+    assert stats.schedules >= 20 and stats.crashes >= 10, stats
+
+
+def test_kill_9_anywhere_in_a_claim_that_stops_a_desktop_then_restore():
+    stats = explore(
+        start_desktop,
+        [("a", acquire("libvirt:a", Mode.EXCLUSIVE, "gpu0")), ("restore", restore_stranded)],
+        screen_check,
+        desktop_back,
+        preemptions=1,
+        crash=True,
+    )
+    print(f"\n{stats.schedules} schedules, {stats.steps} steps, {stats.crashes} kill -9s checked")
+    assert stats.schedules >= 10 and stats.crashes >= 5, stats

@@ -12,6 +12,7 @@ from charly_arbiter.core.events import EventKind, describe
 from charly_arbiter.core.model import (
     CLAIMANT_KINDS,
     KINDS,
+    SCREEN_KINDS,
     Claimant,
     ConsolePolicy,
     HolderKind,
@@ -28,12 +29,16 @@ HOLDER_VALUES = [
     "proxmox",
     "lxc",
     "arbiter",
+    "display-manager",
+    "session",
+    "systemd-user",
 ]
 EVENT_VALUES = [
     "claim", "refused", "stopping", "preempted", "switching", "switched", "active",
     "poisoned", "release", "failed", "restore", "starting", "restored", "restore-failed",
     "poison-cleared", "mismatch", "adopted", "send-home", "recovered",
-    "mig", "mig-done", "vf-count", "vf-counted",
+    "mig", "mig-done", "vf-count", "vf-counted", "told", "session-ended", "sleep-blocked",
+    "sleep-allowed", "sleep-lock-failed",
 ]  # fmt: skip
 
 
@@ -50,6 +55,7 @@ def test_every_kind_has_its_name_rules_and_claimants_are_all_but_the_host_s_own(
     assert set(CLAIMANT_KINDS) == set(HolderKind) - {
         HolderKind.NVIDIA_PERSISTENCE,
         HolderKind.ARBITER,
+        *SCREEN_KINDS,
     }
     assert set(LISTED_KINDS) <= set(CLAIMANT_KINDS)
     ref = Claimant.parse("libvirt:win11")

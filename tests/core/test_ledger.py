@@ -5,8 +5,10 @@ error that is fatal for its write (no retry, no rename, old file intact)."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import stat
+from dataclasses import replace
 
 import pytest
 
@@ -185,6 +187,8 @@ leases = st.builds(
     owner_start=st.integers(0, 2**40),
     stopped=st.lists(records, max_size=3).map(tuple),
     note=texts,
+    sleep_locks=st.lists(st.from_regex(r"[a-z0-9._-]{1,8}", fullmatch=True), max_size=2).map(tuple),
+    sleep_lock_error=texts,
 )
 states = st.builds(
     LedgerState,
@@ -257,3 +261,28 @@ def test_a_json_copy_never_hides_a_corrupt_ledger(tmp_path):
     ledger.path.write_bytes(bytes(data))
     with pytest.raises(LedgerCorrupt):
         Ledger(ledger.state_dir).read()
+
+
+# -- a lease's sleep locks: optional keys, so that a ledger from before them reads -------
+
+
+def test_a_lease_without_sleep_locks_is_written_as_before_and_an_old_ledger_reads():
+    plain = LedgerState(generation=3, leases=(lease("libvirt:win11"),))
+    data = ledger_format.encode(plain)
+    assert b"sleep_lock" not in data  # byte for byte what an older version wrote
+    assert ledger_format.decode(data).leases[0].sleep_locks == ()
+
+
+def test_a_lease_s_sleep_locks_read_back_and_a_wrong_type_is_corruption():
+    locked = replace(lease("libvirt:win11"), sleep_locks=("gpu0",), sleep_lock_error="")
+    data = ledger_format.encode(LedgerState(generation=1, leases=(locked,)))
+    assert b'sleep_locks = ["gpu0"]' in data
+    assert ledger_format.decode(data).leases[0].sleep_locks == ("gpu0",)
+    failed = replace(locked, sleep_locks=(), sleep_lock_error="systemd is not running here")
+    data = ledger_format.encode(LedgerState(generation=1, leases=(failed,)))
+    assert ledger_format.decode(data).leases[0].sleep_lock_error == "systemd is not running here"
+    body = ledger_format.encode(LedgerState(generation=1, leases=(locked,))).split(b"\n", 1)[1]
+    wrong = body.replace(b'sleep_locks = ["gpu0"]', b"sleep_locks = true")
+    digest = hashlib.sha256(wrong).hexdigest().encode()
+    with pytest.raises(ledger_format.FormatError, match="sleep_locks"):
+        ledger_format.decode(b'checksum = "sha256:' + digest + b'"\n' + wrong)

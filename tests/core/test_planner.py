@@ -13,6 +13,9 @@ from charly_arbiter.core.host import (
     DeviceUser,
     Holder,
     PciFunction,
+    ScreenProcess,
+    ScreenSession,
+    ScreenUse,
     Sriov,
     TokenSpec,
     Vgpu,
@@ -25,6 +28,7 @@ from charly_arbiter.core.model import (
     LedgerState,
     Mode,
     Poison,
+    ScreenPolicy,
     StepState,
     StoppedHolder,
     blocks_token,
@@ -32,7 +36,7 @@ from charly_arbiter.core.model import (
     operation_claimant,
 )
 from charly_arbiter.core.planner import Policy, Switch, decide_claim, home_map, unaccounted
-from charly_arbiter.errors import ClaimRefused, TokenPoisoned, TokenUnaccounted
+from charly_arbiter.errors import ClaimRefused, ScreenInUse, TokenPoisoned, TokenUnaccounted
 
 GPU0 = "0000:0a:00.0"
 AUDIO0 = "0000:0a:00.1"
@@ -786,3 +790,174 @@ def test_every_state_obeys_the_rules_of_a_claim_in_place(existing, holders, driv
     assert plan.switches == ()
     assert {step.holder for step in plan.stops} >= {h.ref for h in running}
     assert set(plan.preempted_leases) == {item.claimant for item in blocking}
+
+
+# -- the screen: a display manager, sessions, a compositor (issue 19 items 3 and 5) --------
+
+ALICE = ScreenSession("3", "seat0", "wayland", 1000, "alice", 900, "gdm.service")
+SHELL = ScreenProcess(912, "gnome-shell", 1000, ("card0",), "3", "session-3.scope")
+PIPEWIRE = ScreenProcess(
+    950, "pipewire", 1000, ("renderD128",), None, "user@1000.service/app.slice/pipewire.service"
+)
+XORG = ScreenProcess(700, "Xorg", 0, ("card0",), None, "lightdm.service")
+WESTON = ScreenProcess(800, "weston", 0, ("card0",), None, None)
+SCREENS = {
+    "unread": None,
+    "nothing": ScreenUse("gpu0", False, False),
+    # The boot display with the console on it and nobody's session: the console policy's.
+    "console": ScreenUse("gpu0", True, True),
+    "desktop": ScreenUse(
+        "gpu0",
+        True,
+        True,
+        (SHELL, PIPEWIRE),
+        (ALICE,),
+        "gdm.service",
+        ("user@1000.service: pipewire.service",),
+    ),
+    # Item 5: the compositor of a desktop on another GPU opened this one's card too.
+    "compositor": ScreenUse("gpu0", False, False, (SHELL,), (ALICE,), "gdm.service"),
+    # A display server the display manager's unit runs itself (lightdm), no session.
+    "server": ScreenUse("gpu0", False, True, (XORG,), (), "lightdm.service"),
+    # A display server started by hand: nobody's session, no display manager.
+    "stray": ScreenUse("gpu0", False, False, (WESTON,)),
+    # A desktop, and beside it that display server of nobody's.
+    "mixed": ScreenUse("gpu0", True, True, (SHELL, WESTON), (ALICE,), "gdm.service"),
+}
+# What `screen = "release"` stops of each, in order (user units, sessions, the display
+# manager), and the holders that go with them (the screen's processes, the display
+# manager the host lists as a systemd holder too); a process of nobody's stays a holder.
+RELEASED = {
+    "desktop": (
+        ["systemd-user:1000/pipewire.service", "session:3", "display-manager:gdm.service"],
+        {"process:912", "process:950", "systemd:display-manager.service"},
+    ),
+    "compositor": (
+        ["session:3", "display-manager:gdm.service"],
+        {"process:912", "systemd:display-manager.service"},
+    ),
+    "mixed": (
+        ["session:3", "display-manager:gdm.service"],
+        {"process:912", "systemd:display-manager.service"},
+    ),
+    "server": (
+        ["display-manager:lightdm.service"],
+        {"process:700", "systemd:display-manager.service"},
+    ),
+}
+
+
+def screen_holders(use: ScreenUse | None) -> list[Holder]:
+    """What the host lists as holders of a screen: its processes, and the display
+    manager's unit (`display-manager.service`) where it has one."""
+    if use is None:
+        return []
+    found = [Holder(f"process:{p.pid}", ("gpu0",), True, True, how="kill") for p in use.processes]
+    if use.display_manager:
+        found.append(Holder("systemd:display-manager.service", ("gpu0",), True, True))
+    return found
+
+
+@pytest.mark.parametrize("screen", sorted(SCREENS))
+@pytest.mark.parametrize("policy", list(ScreenPolicy))
+@pytest.mark.parametrize("existing", sorted(EXISTING))
+@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("how", ["claim", "in-place", "vgpu"])
+def test_every_screen_state_obeys_the_rule(screen, policy, existing, mode, how):
+    """Exhaustive over (who uses the screen, the token's `screen`, an existing lease, the
+    mode, how it is claimed), with the screen's processes and display manager among the
+    holders, as a host lists them.  One rule for both policies: an exclusive claim that
+    passes the GPU through, where processes of the screen have it open, is refused
+    naming them under "refuse", and under "release" stops, last and in order, the user
+    units, sessions and display manager they belong to instead of them as holders (a
+    process of nobody's stays a holder); never either otherwise.  Whatever else refuses
+    the claim refuses it as without the snapshot; a granted exclusive claim carries the
+    screen it takes in its plan."""
+    state = EMPTY.with_home("gpu0", HOMES["recorded"])
+    for item in EXISTING[existing]:
+        state = state.with_lease(item)
+    spec = replace(token(), screen=policy)
+    if how == "vgpu":
+        spec = vgpu_token("558", "nvidia", True, 0)
+        spec = replace(spec, name="gpu0", screen=policy)
+    use = SCREENS[screen]
+    screens = {} if use is None else {"gpu0": use}
+    holders = screen_holders(use)
+    extra = {"in_place": how == "in-place", "coverage": COVERAGE}
+    claimant = operation_claimant("mig", "gpu0") if how == "in-place" else "libvirt:me"
+    mode = Mode.EXCLUSIVE if how == "in-place" else mode
+
+    def decide(**more):
+        return decide_claim(state, claimant, mode, [spec], holders, NONE, **extra, **more)
+
+    try:
+        without = decide()
+    except ClaimRefused as refused:
+        without = refused
+    takes = mode is Mode.EXCLUSIVE and how == "claim" and use is not None
+    used = takes and bool(use.processes)
+    refuses = used and policy is ScreenPolicy.REFUSE
+    stops, freed = RELEASED.get(screen, ([], set())) if used else ([], set())
+    try:
+        plan = decide(screens=screens)
+    except ScreenInUse as refused:
+        assert refuses, (screen, policy, existing, mode, how, refused)
+        assert refused.exit_code == 3 and refused.token == spec.label
+        assert 'screen = "release"' in (refused.hint or "")
+        return
+    except ClaimRefused as refused:
+        # Another reason, which refuses the claim with or without the screen (the
+        # poison, an overlap and the PF/VF relation are checked first).
+        assert isinstance(without, ClaimRefused) and str(refused) == str(without)
+        return
+    assert not refuses, (screen, policy, existing, mode, how)
+    assert not isinstance(without, ClaimRefused), (screen, policy, existing, mode, how)
+    kept = [step for step in without.stops if str(step.holder) not in freed]
+    assert [(str(s.holder), s.tokens) for s in plan.stops] == [
+        *((str(s.holder), s.tokens) for s in kept),
+        *((holder, ("gpu0",)) for holder in stops),
+    ], (screen, policy, existing, mode, how)
+    assert replace(plan, screens={}, stops=()) == replace(without, stops=())
+    if takes and use.drives_screen:
+        assert plan.screens == {"gpu0": use}
+    else:
+        assert plan.screens == {}
+
+
+def test_the_refusal_names_the_display_manager_the_session_and_the_user():
+    with pytest.raises(ScreenInUse) as refused:
+        decide_claim(
+            EMPTY, "libvirt:win11", Mode.EXCLUSIVE, [token()], [], NONE,
+            screens={"gpu0": SCREENS["desktop"]},
+        )  # fmt: skip
+    error = refused.value
+    assert str(error) == (
+        "libvirt:win11 cannot claim gpu0 (0000:0a:00.0): gpu0 drives seat0: gdm.service, "
+        "the wayland session of alice, uid 1000 (session 3), the user units "
+        "user@1000.service: pipewire.service; it is the boot display; the text console runs "
+        "on it; gnome-shell (pid 912) draws on it; passing it through would end that desktop"
+    )
+    assert (error.holder, error.users) == ("gdm.service", ("alice (uid 1000)",))
+    assert 'set `screen = "release"` for gpu0' in (error.hint or "")
+    assert "gdm.service, session 3" in (error.hint or "")
+    assert "loginctl terminate-session 3" in (error.hint or "")
+
+
+def test_a_compositor_on_a_gpu_that_is_not_the_boot_display_is_named_with_its_user():
+    """Item 5: never killed silently; refused naming the compositor, session, user."""
+    with pytest.raises(ScreenInUse) as refused:
+        decide_claim(
+            EMPTY, "libvirt:win11", Mode.EXCLUSIVE, [token()], [], NONE,
+            screens={"gpu0": SCREENS["compositor"]},
+        )  # fmt: skip
+    why = refused.value.why
+    assert why.startswith(
+        "the compositor gnome-shell (pid 912) of the wayland session of alice, uid 1000 "
+        "(session 3) has it open, although it is not the boot display"
+    )
+    released = replace(token(), screen=ScreenPolicy.RELEASE)
+    plan = decide_claim(
+        EMPTY, "libvirt:win11", Mode.EXCLUSIVE, [released], [], NONE,
+        screens={"gpu0": SCREENS["compositor"]},
+    )  # fmt: skip
+    assert plan.screens == {"gpu0": SCREENS["compositor"]}

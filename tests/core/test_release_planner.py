@@ -74,7 +74,12 @@ T = Claimant.parse("container:t")  # claims either way
 S = Claimant.parse("container:s")  # shares, and is a holder of gpu0 (the model's SHARER)
 H = Claimant.parse("systemd:h.service")  # a plain holder of gpu0
 G = Claimant.parse("systemd:g.service")  # a plain holder of gpu1
-HOLDERS = (H, G, S)  # they run unless the arbiter stopped them
+# A screen released for a claim on gpu0 (`screen = "release"`): its display manager,
+# started again once gpu0 is home, and a session, never started again (a session cannot
+# be resurrected: it is not among the holders expected to run once it ended).
+D = Claimant.parse("display-manager:d.service")
+X = Claimant.parse("session:3")
+HOLDERS = (H, G, S, D)  # they run unless the arbiter stopped them
 
 BOOT = "boot"
 ME = ProcessRef(1000, 1)  # the releasing process
@@ -132,6 +137,8 @@ def records(state: LeaseState) -> list[StoppedHolder]:
             StoppedHolder(G, step, tokens=("gpu1",)),
             StoppedHolder(S, step, ("gpu0",), tokens=("gpu0",)),
             StoppedHolder(S, step, ("gpu1",), tokens=("gpu0", "gpu1")),
+            StoppedHolder(D, step, tokens=("gpu0",)),
+            StoppedHolder(X, step, tokens=("gpu0",)),
         ]
     return pool
 
@@ -513,11 +520,18 @@ def check_comebacks(plan: ReleasePlan, done: Walk, where: str) -> None:
             for o in others(state, plan.claimant)
             if any(r.holder == record.holder for r in o.unrestored())
         ]
-        if exclusive:
+        away = record.holder == D and any(blocks_token(lease, t) for t in uses(record))
+        if record.holder == X:
+            # A session is never started again, whoever holds its GPU now.
+            assert comeback.way is ComebackWay.ENDED, where
+        elif exclusive:
             # Never started beside an exclusive lease on its GPU: handed to it.
             assert comeback.way is ComebackWay.HAND and comeback.to == exclusive[0], where
         elif waits:
             # A shared claimant waits while its GPU is still on vfio-pci here.
+            assert comeback.way is ComebackWay.WAIT, where
+        elif away:
+            # A display manager waits for its GPU: without it, it would only fail.
             assert comeback.way is ComebackWay.WAIT, where
         elif also:
             assert comeback.way is ComebackWay.LEFT and comeback.to in also, where
@@ -774,13 +788,13 @@ def test_a_holder_two_leases_recorded_is_left_to_the_other():
     mine = replace(lease(A, SHARED, ("gpu1",), ACTIVE), stopped=(record,))
     theirs = replace(lease(T, SHARED, ("gpu0",), ACTIVE), stopped=(record,))
     state = LedgerState(leases=(mine, theirs))
-    case = Case(state, frozenset(), frozenset({G, S}))
+    case = Case(state, frozenset(), frozenset({G, S, D}))
     assert violations(state, case.facts())  # I3: two records
     plan = decide_release(state, A, case.tokens(), me=ME, boot_id=BOOT)
     assert plan is not None
     assert [(c.record.holder, c.way, c.to) for c in plan.comebacks] == [(H, ComebackWay.LEFT, T)]
     done = walk(case, plan)
-    assert not violations(done.final, facts(frozenset(), frozenset({G, S})))
+    assert not violations(done.final, facts(frozenset(), frozenset({G, S, D})))
 
 
 def test_a_gpu_no_longer_configured_keeps_the_lease_for_restore():
@@ -803,6 +817,8 @@ ON_SIM = {
     H: "systemd:ollama.service",
     G: "systemd:display-manager.service",
     S: "container:llm",
+    D: "display-manager:gdm.service",
+    X: "session:3",
 }
 
 

@@ -696,6 +696,137 @@ class FakeProc:
         )
 
 
+@dataclass(frozen=True)
+class FakeProcess:
+    """A process of a fake /proc: a directory of its own (not the kernel's), with what
+    the screen's reading looks at: fd links to device nodes, comm, status (Uid, PPid),
+    stat (its start time), cgroup (the unified hierarchy's line), sessionid (the audit
+    session: 4294967295 for none) and environ."""
+
+    pid: int
+    comm: str
+    uid: int = 0
+    fds: tuple[str, ...] = ()  # what each fd links to (`/dev/dri/card0`)
+    cgroup: str = "/system.slice/unknown.service"
+    sessionid: str | None = None  # None: 4294967295
+    environ: tuple[tuple[str, str], ...] = ()
+    ppid: int = 1
+
+
+class FakeRun:
+    """/run as systemd and logind keep it: `systemd/sessions/ID` (logind's session
+    files, `KEY=VALUE` lines) and `systemd/units/invocation:UNIT` (a link to the
+    unit's invocation id, which systemd also puts in its processes' INVOCATION_ID)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        (root / "systemd/sessions").mkdir(parents=True, exist_ok=True)
+        (root / "systemd/units").mkdir(parents=True, exist_ok=True)
+
+    def session(
+        self,
+        session_id: str,
+        *,
+        uid: int,
+        user: str,
+        leader: int,
+        seat: str | None = "seat0",
+        type: str = "wayland",
+        klass: str = "user",
+        service: str = "login",
+    ) -> None:
+        lines = [
+            "# This is private data. Do not parse.",
+            f"UID={uid}",
+            f"USER={user}",
+            "ACTIVE=1",
+            "STATE=active",
+            "REMOTE=0",
+            f"TYPE={type}",
+            f"ORIGINAL_TYPE={type}",
+            f"CLASS={klass}",
+            f"SCOPE=session-{session_id}.scope",
+            f"SERVICE={service}",
+            f"LEADER={leader}",
+        ]
+        if seat is not None:
+            lines += [f"SEAT={seat}", "VTNR=7"]
+        (self.root / "systemd/sessions" / session_id).write_text("\n".join(lines) + "\n")
+
+    def unit(self, name: str, invocation: str) -> None:
+        (self.root / "systemd/units" / f"invocation:{name}").symlink_to(invocation)
+
+
+def add_process(proc: Path, process: FakeProcess) -> None:
+    """`process` under the fake /proc root `proc`."""
+    directory = proc / str(process.pid)
+    (directory / "fd").mkdir(parents=True)
+    for number, target in enumerate(process.fds, start=3):
+        (directory / "fd" / str(number)).symlink_to(target)
+    (directory / "comm").write_text(process.comm + "\n")
+    (directory / "cmdline").write_bytes(process.comm.encode() + b"\0")
+    (directory / "status").write_text(
+        f"Name:\t{process.comm}\nPPid:\t{process.ppid}\n"
+        f"Uid:\t{process.uid}\t{process.uid}\t{process.uid}\t{process.uid}\n"
+    )
+    (directory / "stat").write_text(
+        f"{process.pid} ({process.comm}) S {process.ppid} " + " ".join(["0"] * 17) + " 4242 0\n"
+    )
+    (directory / "cgroup").write_text(f"0::{process.cgroup}\n")
+    (directory / "sessionid").write_text(process.sessionid or "4294967295")
+    (directory / "environ").write_bytes(b"".join(f"{k}={v}\0".encode() for k, v in process.environ))
+
+
+def desktop(proc: Path, run: FakeRun, dev: Path, card: str = "card0") -> dict[str, FakeProcess]:
+    """A display manager that opens its own session, as tests/kernel/sysguest.py's
+    weston does with real systemd (issue 19's finding F1): `charly-weston.service`
+    (PAMName=login, user charly-weston, uid 998) whose only process, weston, logind
+    moved into session-2.scope, leaving the unit's own cgroup empty.  Its
+    INVOCATION_ID is the unit's; session 2 is a wayland session on seat0 led by it.
+    Besides: logind and PID 1 holding the card for the session (TakeDevice, and the
+    fd store), the user's pipewire in user@998.service holding the render node, and
+    a system service rendering on the GPU (none of them the screen's but pipewire)."""
+    invocation = "5b1f0c8e2a7d4c33a1c0de1e9f2b7a10"
+    run.unit("charly-weston.service", invocation)
+    run.unit("ollama.service", "0000000000000000000000000000beef")
+    run.session("2", uid=998, user="charly-weston", leader=612)
+    card_fd = str(dev / "dri" / card)
+    processes = {
+        "systemd": FakeProcess(1, "systemd", fds=(card_fd,), cgroup="/init.scope", ppid=0),
+        "logind": FakeProcess(
+            310, "systemd-logind", fds=(card_fd,), cgroup="/system.slice/systemd-logind.service"
+        ),
+        "weston": FakeProcess(
+            612,
+            "weston",
+            uid=998,
+            fds=(str(dev / "dri" / card), str(dev / "dri/renderD128")),
+            cgroup="/user.slice/user-998.slice/session-2.scope",
+            sessionid="2",
+            environ=(("INVOCATION_ID", invocation), ("XDG_SESSION_TYPE", "wayland")),
+        ),
+        "pipewire": FakeProcess(
+            700,
+            "pipewire",
+            uid=998,
+            fds=(str(dev / "dri/renderD128"),),
+            cgroup="/user.slice/user-998.slice/user@998.service/session.slice/pipewire.service",
+            ppid=690,
+        ),
+        "ollama": FakeProcess(
+            800,
+            "ollama",
+            uid=997,
+            fds=(str(dev / "dri/renderD128"),),
+            cgroup="/system.slice/ollama.service",
+            environ=(("INVOCATION_ID", "0000000000000000000000000000beef"),),
+        ),
+    }
+    for process in processes.values():
+        add_process(proc, process)
+    return processes
+
+
 def gpu_with_vfs(root: Path) -> FakeKernel:
     """A GPU that can have two virtual functions (as Intel's Flex, AMD's MxGPU or an
     NVIDIA data-centre GPU can have more): the PF at 0000:03:00.0 on i915 (group 20),

@@ -21,7 +21,7 @@ from charly_arbiter.core.arbiter import Arbiter
 from charly_arbiter.core.config import TokenConfig
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import VFIO, Mode
-from charly_arbiter.errors import PassthroughImpossible
+from charly_arbiter.errors import PassthroughImpossible, ScreenInUse
 
 GPU = "0000:0a:00.0"
 
@@ -74,7 +74,8 @@ def test_a_display_server_on_it_is_named(make_host, kernel, tmp_path):
     with open(kernel.dev / "dri" / "card0", "rb") as card:
         server = subprocess.Popen([str(xorg), "60"], stdin=card)
     try:
-        with pytest.raises(PassthroughImpossible, match=rf"Xorg \(pid {server.pid}\) draw on it"):
+        # (a display server is the screen's: the screen rule names it, issue 19)
+        with pytest.raises(ScreenInUse, match=rf"Xorg \(pid {server.pid}\)"):
             arbiter(make_host()).acquire("libvirt:win11", Mode.EXCLUSIVE, ["gpu0"])
     finally:
         server.kill()

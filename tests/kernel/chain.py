@@ -226,6 +226,7 @@ def ledger() -> dict[str, Any]:
                 "tokens": list(lease.tokens),
                 "owner_pid": lease.owner_pid,
                 "created": lease.created,
+                "sleep_locks": list(lease.sleep_locks),
             }
             for lease in state.leases
         ],

@@ -1,4 +1,6 @@
-"""The real-kernel guest that the chain (test_chain.py) and the SR-IOV tests
+"""The real-kernel guests that several test files share.
+
+`chain_boot`: what the chain (test_chain.py) and the SR-IOV tests
 (test_sriov_kernel.py) share: ONE boot of tests/kernel's guest, with QEMU's SR-IOV
 NVMe controller (`guest.SRIOV_NVME`) beside the GPU-shaped pair, the package
 installed by `make install`, and chain.py run inside it.  chain.py runs
@@ -6,6 +8,9 @@ sriov_scenario.py's kernel facts first (the PF as QEMU made it), then the chain'
 setup and scenarios, the SR-IOV one with the real libvirtd last.  A boot costs a
 quarter of a minute and the package's setup inside it as much again: one for both
 modules keeps the suite short.
+
+`systemd_guest`: the systemd guest's one QEMU run (sysplan.py) that
+test_systemd_units.py and test_desktop.py share.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from guest import (
     repo_mount_script,
 )
 from installed import install_package
+from sysguest import Run, kernel_for_tests
+from sysguest import run as run_systemd_guest
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,3 +66,15 @@ def chain_boot(tmp_path_factory: pytest.TempPathFactory) -> ChainBoot:
         devices=SRIOV_NVME,
     )
     return ChainBoot(directory, booted)
+
+
+@pytest.fixture(scope="session")
+def systemd_guest(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    import sysplan
+
+    kernel = kernel_for_tests(sysplan.NEEDED)
+    directory = tmp_path_factory.mktemp("systemd-guest")
+    install_package(directory / "stage", tmp_path_factory.mktemp("build"))
+    result = run_systemd_guest(kernel, directory, sysplan.spec(directory / "stage"), timeout=1800)
+    print(result.timings())
+    return result

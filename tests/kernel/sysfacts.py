@@ -334,12 +334,16 @@ def cli(*args: str, env: Mapping[str, str] | None = None) -> dict[str, Any]:
 
 
 def invariant_violations(running: Mapping[str, bool], expected: Collection[str]) -> list[str]:
-    """I1-I3 over the pair (token `gpu`) and the holders a scenario watches."""
+    """I1-I3 over the pair (token `gpu`) and the holders a scenario watches, and I6
+    over the sleep locks the real systemd holds (their transient units)."""
+    from charly_arbiter.host.inhibit import SleepLocks
+
     facts = HostFacts(
         drivers=drivers(),
         token_functions={TOKEN: [GPU, AUDIO]},
         running=dict(running),
         expected_running=frozenset(expected),
+        sleep_locks=SleepLocks(Path("/run"), 60, 60).inhibitors(),
     )
     return violations(Ledger(STATE_DIR).read(), facts)
 

@@ -134,8 +134,10 @@ mount -t 9p -o $P9,ro,cache=loose repo /newroot/charly/repo || fail "cannot moun
 boot=$(( $(cat $S/boots 2>/dev/null || echo 0) + 1 ))
 echo $boot > $S/boots
 [ -d $S/root-$boot ] || fail "boot $boot: the spec asks for fewer boots"
-cp -a $S/root/. /newroot/ || fail "cannot copy the payload"
-cp -a $S/root-$boot/. /newroot/ || fail "cannot copy boot $boot's payload"
+# -f: a payload file may replace one of the host's (a link that a package test on this
+# machine has just enabled, say)
+cp -af $S/root/. /newroot/ || fail "cannot copy the payload"
+cp -af $S/root-$boot/. /newroot/ || fail "cannot copy boot $boot's payload"
 rm -f /newroot/.dockerenv /newroot/.containerenv
 if [ -f $S/keep ]; then
     while read -r kept; do
@@ -202,8 +204,9 @@ Alias=display-manager.service
 @dataclass(frozen=True)
 class Boot:
     """One boot of the guest: the scenarios it runs (`scenario_NAME` functions of the
-    spec's module, in order) and whether a desktop comes up (graphical.target with
-    weston as display-manager.service) or not (multi-user.target)."""
+    spec's module, in order; `STEM:NAME` is one of tests/kernel/STEM.py, recorded as
+    NAME) and whether a desktop comes up (graphical.target with weston as
+    display-manager.service) or not (multi-user.target)."""
 
     scenarios: tuple[str, ...]
     desktop: bool = False
@@ -392,6 +395,8 @@ def build_share(share: Path, kernel: Kernel, spec: Spec) -> None:
         _write(share / "early.sh", "\n".join(lines) + "\n")
     if spec.keep:
         _write(share / "keep", "".join(f"{path}\n" for path in spec.keep))
+    names = [name.rpartition(":")[2] for boot in spec.boots for name in boot.scenarios]
+    assert len(names) == len(set(names)), f"a scenario name is used twice: {names}"
     plan = {
         "module": f"{REPO_IN_GUEST}/tests/kernel/{spec.module}",
         "boots": [list(boot.scenarios) for boot in spec.boots],

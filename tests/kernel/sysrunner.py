@@ -3,14 +3,16 @@
 Reads the plan from the share (/charly/share/spec.json: a module of
 tests/kernel and, per boot, the names of its scenarios), waits until systemd
 says the boot is over, and calls `scenario_NAME(scenario)` for each name of
-this boot.  A scenario records facts into `scenario.out` (command results, and
-`scenario.step(LABEL)` snapshots: drivers, the ledger, the invariants I1-I3,
-the units it watches); nothing here asserts, so one failure does not hide the
-others.  A scenario that raises (or runs past its time) is recorded with its
-traceback and its evidence: the state and journal of the units it watched,
-the failed units, the journal's last lines.  After each scenario the boot's
-record is written to /charly/share/results-N.json.  The last boot powers the
-guest off; an earlier one reboots it, unless a scenario crashed it first.
+this boot (of the spec's module, or of tests/kernel/STEM.py for `STEM:NAME`:
+one boot may run the scenarios of two test files).  A scenario records facts
+into `scenario.out` (command results, and `scenario.step(LABEL)` snapshots:
+drivers, the ledger, the invariants I1-I3, the units it watches); nothing here
+asserts, so one failure does not hide the others.  A scenario that raises (or
+runs past its time) is recorded with its traceback and its evidence: the state
+and journal of the units it watched, the failed units, the journal's last
+lines.  After each scenario the boot's record is written to
+/charly/share/results-N.json.  The last boot powers the guest off; an earlier
+one reboots it, unless a scenario crashed it first.
 
 Usage: sysrunner.py (no arguments: all of it comes from the share)
 """
@@ -32,8 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sysfacts
 
+HERE = Path(__file__).resolve().parent
+UNIT_KINDS = ("systemd", "display-manager")  # holder kinds whose name is a system unit
 SHARE = Path("/charly/share")
-SCENARIO_SECONDS = 300  # one scenario's limit (they take seconds)
+# One scenario's limit (they take seconds); a module may give some of its scenarios
+# more with a dict SCENARIO_SECONDS of its own (name -> seconds).
+SCENARIO_SECONDS = 300
 
 
 class ScenarioTimeout(Exception):
@@ -57,10 +63,11 @@ class Scenario:
         self.watched += [unit for unit in units if unit not in self.watched]
 
     def expect(self, ref: str, running: bool = True) -> None:
-        """`ref` (systemd:UNIT) runs unless the arbiter stopped it: I3 checks it."""
+        """`ref` (systemd:UNIT, display-manager:UNIT) runs unless the arbiter stopped
+        it: I3 checks it."""
         self.expected[ref] = running
-        unit = ref.partition(":")[2]
-        if ref.startswith("systemd:"):
+        kind, _, unit = ref.partition(":")
+        if kind in UNIT_KINDS:
             self.watch(unit)
 
     def facts(self) -> dict[str, Any]:
@@ -114,7 +121,7 @@ def load(path: str) -> ModuleType:
 
 
 def _timeout(signum: int, frame: FrameType | None) -> None:
-    raise ScenarioTimeout(f"the scenario ran past {SCENARIO_SECONDS} s")
+    raise ScenarioTimeout("the scenario ran past its time (SCENARIO_SECONDS)")
 
 
 def main() -> None:
@@ -137,13 +144,19 @@ def main() -> None:
     out["system"] = sysfacts.boot_facts(SHARE / f"switch-root-{boot}")
     save()
     sysfacts.say(f"boot {boot}: {out['system']['state']} {out['system']['reached']}")
-    module = load(plan["module"])
+    modules: dict[str, ModuleType] = {}
     signal.signal(signal.SIGALRM, _timeout)
-    for name in names:
+    for qualified in names:
+        # "NAME" is a scenario of the spec's module, "STEM:NAME" one of tests/kernel/STEM.py
+        stem, _, name = qualified.rpartition(":")
+        path = f"{HERE}/{stem}.py" if stem else plan["module"]
+        if path not in modules:
+            modules[path] = load(path)
+        module = modules[path]
         scenario = Scenario(name, boot, save)
         out["scenarios"][name] = scenario.out
         began = time.monotonic()
-        signal.alarm(SCENARIO_SECONDS)
+        signal.alarm(getattr(module, "SCENARIO_SECONDS", {}).get(name, SCENARIO_SECONDS))
         try:
             getattr(module, f"scenario_{name}")(scenario)
         except BaseException:

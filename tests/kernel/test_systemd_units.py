@@ -1,10 +1,11 @@
 """systemd units as holders and claimants, under a real systemd (sysguest.py).
 
-One QEMU run, two boots of the real-kernel guest with systemd as PID 1 on an
-overlay of this machine's root, the package installed by `make install` and
-the units of unit_scenarios.py (real services: `sleep` holding bochs-drm's
-/dev/dri/card0, a drained one, a per-GPU template standing in for NVIDIA's
-per-GPU persistence, units made to claim by `charly-arbiter attach`).
+One QEMU run (sysplan.py: test_desktop.py's scenarios run in the same boots),
+two boots of the real-kernel guest with systemd as PID 1 on an overlay of this
+machine's root, the package installed by `make install` and the units of
+unit_scenarios.py (real services: `sleep` holding bochs-drm's /dev/dri/card0, a
+drained one, a per-GPU template standing in for NVIDIA's per-GPU persistence,
+units made to claim by `charly-arbiter attach`).
 
 Boot 1 (graphical.target): weston as display-manager.service holds card0 in
 a real logind session on seat0 (the desktop the screen scenarios of issue 19
@@ -27,53 +28,20 @@ from typing import Any
 
 import pytest
 import unit_scenarios as us
-from installed import install_package
-from sysguest import Boot, Run, Spec, kernel_for_tests, run
+from sysguest import Run
+from sysplan import UNIT_SCENARIOS
 
 pytestmark = [pytest.mark.slow, pytest.mark.kernel]
 
 GPU, AUDIO = "0000:00:02.0", "0000:00:02.1"
 HOME = {GPU: "bochs-drm", AUDIO: "snd_hda_intel"}
 VFIO = {GPU: "vfio-pci", AUDIO: "vfio-pci"}
-RECONCILE = "charly-arbiter-reconcile.service"
-NEEDED = ("/usr/bin/make", "/usr/bin/weston", "/lib/systemd/systemd", "/usr/bin/dbus-daemon")
-PLAN = (
-    Boot(
-        (
-            "desktop",
-            "systemd_holders",
-            "attach",
-            "claim_stops_units",
-            "attached_exclusive",
-            "crash_mid_claim",
-        ),
-        desktop=True,
-    ),
-    Boot(("reconciled", "resident_helper")),
-)
 
 
 @pytest.fixture(scope="module")
-def guest(tmp_path_factory: pytest.TempPathFactory) -> Run:
-    kernel = kernel_for_tests(NEEDED)
-    directory = tmp_path_factory.mktemp("systemd-units")
-    install_package(directory / "stage", tmp_path_factory.mktemp("build"))
-    spec = Spec(
-        boots=PLAN,
-        module="unit_scenarios.py",
-        installed=directory / "stage",
-        files=us.files(),
-        # enabled, as the Debian package's postinst enables it
-        links={
-            f"/etc/systemd/system/multi-user.target.wants/{RECONCILE}": (
-                f"/usr/lib/systemd/system/{RECONCILE}"
-            )
-        },
-        keep=("/var/lib/charly-arbiter",),
-    )
-    result = run(kernel, directory, spec, timeout=1200)
-    print(result.timings())
-    return result
+def guest(systemd_guest: Run) -> Run:
+    """The systemd guest's run (sysplan.py), shared with test_desktop.py."""
+    return systemd_guest
 
 
 def steps(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -111,10 +79,13 @@ def test_systemd_boots_the_guest_to_its_targets(guest: Run) -> None:
 
 
 def test_every_step_keeps_the_invariants(guest: Run) -> None:
-    """I1-I3 after every step of every scenario, both boots."""
+    """I1-I3 after every step of every scenario of this file, both boots
+    (test_desktop.py checks its own)."""
     checked = 0
     for record in guest.boots:
         for name, scenario in record["scenarios"].items():
+            if name not in UNIT_SCENARIOS:
+                continue
             for label, facts in scenario.get("steps", {}).items():
                 assert facts["violations"] == [], f"{name}/{label}: {facts['violations']}"
                 checked += 1
@@ -147,6 +118,31 @@ def test_weston_holds_card0_in_a_logind_session_on_seat0(guest: Run) -> None:
     assert by_comm["systemd-logind"] == "systemd-logind.service"
     assert "weston" in desktop["fuser"]["stderr"]
     assert up["fbcon_bound"] is True and up["active_vt"] == "tty7"
+
+
+def test_the_local_host_reads_who_uses_the_screen_on_real_systemd(guest: Run) -> None:
+    """host/screen.py on the real thing: weston, in session-N.scope (its unit's own
+    cgroup empty), is charly-weston.service's by the leader's INVOCATION_ID; the
+    session is wayland on seat0 of charly-weston; bochs-drm is the boot display with
+    fbcon on it.  Once the display manager is stopped, only those remain."""
+    desktop = guest.scenario("desktop")
+    up = desktop["screen_up"]
+    assert up["display_manager"] == "charly-weston.service", up
+    [session] = up["sessions"]
+    assert (session["seat"], session["type"], session["user"]) == (
+        "seat0",
+        "wayland",
+        "charly-weston",
+    ), up
+    assert session["display_manager"] == "charly-weston.service", up
+    westons = [p for p in up["processes"] if p["comm"] == "weston"]
+    assert westons and all("card0" in p["nodes"] for p in westons), up
+    assert all(p["unit"].startswith("session-") for p in westons), up
+    assert up["text"].startswith("gpu drives seat0: charly-weston.service, the wayland session")
+    down = desktop["screen_down"]
+    assert (down["processes"], down["sessions"], down["display_manager"]) == ([], [], None), down
+    assert (up["boot_vga"], up["fbcon"]) == (down["boot_vga"], down["fbcon"]), (up, down)
+    print(f"screen read in {up['seconds']} s: {up['text']}")
 
 
 def test_an_inhibitor_lock_is_listed(guest: Run) -> None:
@@ -215,6 +211,26 @@ def test_an_exclusive_claim_stops_the_unit_holding_card0_and_starts_it_again(gue
     assert state(released, us.HOLDER) == "active"
     assert us.HOLDER in holders_of_card(released)
     assert released["pids"][us.HOLDER] != running["pids"][us.HOLDER]
+
+
+def test_an_exclusive_claim_holds_logind_s_sleep_lock_until_its_release(guest: Run) -> None:
+    """host/inhibit.py under the real systemd and logind: the transient unit runs
+    systemd-inhibit, logind lists the lock (what sleep, who charly-arbiter, mode block,
+    the why naming the claimant), and the release stops the unit and ends the lock."""
+    record = guest.scenario("claim_stops_units")
+    claimed, released = (steps(record)[k] for k in ("claimed", "released"))
+    why = f"gpu is passed through to {record['claimant']}"
+    ours = [i for i in claimed["inhibitors"] if i["who"] == "charly-arbiter"]
+    assert len(ours) == 1, claimed["inhibitors"]
+    assert {"what": "sleep", "who": "charly-arbiter", "why": why, "mode": "block"}.items() <= (
+        ours[0].items()
+    )
+    assert claimed["lock_unit"]["ActiveState"] == "active"
+    assert claimed["lock_unit"]["Description"] == why
+    assert why in claimed["inhibit_list"]["stdout"]
+    assert [lease["sleep_locks"] for lease in claimed["ledger"]["leases"]] == [["gpu"]]
+    assert [i for i in released["inhibitors"] if i["who"] == "charly-arbiter"] == []
+    assert released["lock_unit"]["LoadState"] == "not-found"
 
 
 def test_only_the_claimed_gpus_instance_of_a_per_gpu_service_stops(guest: Run) -> None:

@@ -201,6 +201,7 @@ def scenario_desktop(s: Any) -> None:
         2,
     )
     s.out["up"] = sysfacts.desktop()
+    s.out["screen_up"] = screen_use()
     s.out["fuser"] = sysfacts.run(["/usr/bin/fuser", "-v", CARD])
     inhibitor = subprocess.Popen(
         [
@@ -227,6 +228,25 @@ def scenario_desktop(s: Any) -> None:
     )
     wait_for(lambda: not [x for x in sysfacts.sessions() if x.get("Type") == "wayland"], 30)
     s.out["down"] = sysfacts.desktop()
+    s.out["screen_down"] = screen_use()
+
+
+def screen_use() -> dict[str, Any]:
+    """What the local host reads of who uses the token's screen (host/screen.py), on
+    the real /sys, /proc and /run (issue 19 item 2; finding F1: the display manager's
+    unit cgroup is empty, its INVOCATION_ID names it)."""
+    from charly_arbiter.core.config import Config, TokenConfig
+    from charly_arbiter.core.tokens import TokenCatalogue
+    from charly_arbiter.host.local import LocalHost
+
+    config = Config(tokens=(TokenConfig("gpu", GPU),))
+    host = LocalHost(config, sources={})
+    try:
+        began = time.monotonic()
+        use = host.screen(TokenCatalogue(config, host).all()["gpu"])
+        return {**use.as_json(), "seconds": round(time.monotonic() - began, 3)}
+    finally:
+        host.close()
 
 
 # -- units as holders -------------------------------------------------------------------
@@ -299,10 +319,24 @@ def scenario_claim_stops_units(s: Any) -> None:
     with claimant() as me:
         s.out["claimant"] = me
         s.out["acquire"] = cli("acquire", "--exclusive", me, "gpu")
-        s.step("claimed", pids=main_pids(*units))
+        # The pair is passed through: logind's sleep lock, held by its transient unit.
+        s.step(
+            "claimed",
+            pids=main_pids(*units),
+            inhibitors=sysfacts.inhibitors(),
+            inhibit_list=sysfacts.run(["/usr/bin/systemd-inhibit", "--list", "--no-pager"]),
+            lock_unit=sysfacts.unit(
+                "charly-arbiter-inhibit-gpu.service", ("ActiveState", "Description", "MainPID")
+            ),
+        )
         s.out["release"] = cli("release", "--force", me)
         wait_for(lambda: all(holding_card(u) for u in (HOLDER, mine, DRAINED)), 20)
-        s.step("released", pids=main_pids(*units))
+        s.step(
+            "released",
+            pids=main_pids(*units),
+            inhibitors=sysfacts.inhibitors(),
+            lock_unit=sysfacts.unit("charly-arbiter-inhibit-gpu.service", ("LoadState",)),
+        )
     s.out["journals"] = sysfacts.journals_of(units)
     stop(s, *units)
     for unit in units:

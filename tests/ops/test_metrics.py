@@ -125,3 +125,15 @@ def test_without_prometheus_client_metrics_says_what_to_install(sim, tmp_path):
     assert "metrics need the prometheus-client library" in result.stderr
     assert "python3-prometheus-client" in result.stderr
     assert sim.cli("status", env=sim.env(PYTHONPATH=str(shadow.parent))).returncode == 0
+
+
+def test_metrics_show_sleep_blocked_per_token_and_missing_locks(sim):
+    sim.cli("acquire", "--exclusive", "libvirt:win11", "gpu0", check=True)
+    samples = parse(sim.cli("metrics", check=True).stdout)
+    assert value(samples, "charly_arbiter_sleep_blocked", token="gpu0") == 1
+    assert value(samples, "charly_arbiter_sleep_blocked", token="gpu1") == 0
+    assert value(samples, "charly_arbiter_sleep_locks_missing") == 0
+    sim.host().uninhibit("gpu0")  # stopped from outside
+    samples = parse(sim.cli("metrics", check=True).stdout)
+    assert value(samples, "charly_arbiter_sleep_blocked", token="gpu0") == 0
+    assert value(samples, "charly_arbiter_sleep_locks_missing") == 1

@@ -23,6 +23,13 @@ nodes do not make it a holder of anything.
 A process that runs in a holder the host knows (a listed unit, a container,
 found by its cgroup: `owner_of`) is that holder's, not a holder of its own:
 stopping or draining the holder is what lets go of the node.
+
+PID 1 and systemd-logind holding a DRM node (`/dev/dri/*`) are no holders either:
+logind opens a session's card for its compositor (TakeDevice) and keeps the fd in
+PID 1's fd store; both let go when the session ends.  That session is the screen's
+(host/screen.py): refused naming it, or ended under `screen = "release"`.  Listed
+here they would refuse every claim of a GPU a desktop draws on, the session's end
+included (the real systemd guest's first release was refused by `process:1`).
 """
 
 from __future__ import annotations
@@ -164,6 +171,8 @@ class ProcessHolders:
         for pid, by_token in sorted(self._held(tokens).items()):
             if owner_of is not None and owner_of(pid) is not None:
                 continue
+            if _brokers_a_session(self.proc_root, pid, by_token):
+                continue
             if program_name(self.proc_root, pid) == PERSISTENCED:
                 found.extend(_persistence(pid, by_token, own, gpus))
                 continue
@@ -219,6 +228,18 @@ class ProcessHolders:
                 return False
             time.sleep(_POLL)
         return True
+
+
+# Hold a logind session's DRM nodes on its behalf (TakeDevice; PID 1's fd store).
+DEVICE_BROKERS = frozenset({"systemd-logind"})
+
+
+def _brokers_a_session(proc_root: Path, pid: int, by_token: Mapping[str, set[str]]) -> bool:
+    """Whether `pid` is PID 1 or logind holding only DRM nodes (see the module's note)."""
+    nodes = {node for held in by_token.values() for node in held}
+    if not nodes or not all(node.split("/")[-2:-1] == ["dri"] for node in nodes):
+        return False
+    return pid == 1 or program_name(proc_root, pid) in DEVICE_BROKERS
 
 
 def _pid(ref: str) -> int:
