@@ -4,6 +4,7 @@ cut short by a real signal while its switch hangs (the simulated host's fault)."
 from __future__ import annotations
 
 import contextlib
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +40,13 @@ def ledger_locked(state_dir: Path) -> Iterator[int]:
         holder.wait()
 
 
+def as_at_a_terminal() -> None:
+    """A child that takes Ctrl-C as a command typed at a terminal does: the suite may run
+    where SIGINT is ignored (a background job of a script), and the CLI, like any
+    program under `nohup`, keeps an ignored signal ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupted_claim(sim: SimEnv, claimant: str, signum: int) -> str:
     """`acquire --exclusive CLAIMANT gpu0` (whose switch hangs, driver_switch long),
     sent `signum` once it is in the write; its last two lines of stderr (before them,
@@ -50,6 +58,7 @@ def interrupted_claim(sim: SimEnv, claimant: str, signum: int) -> str:
         text=True,
         env=sim.env(),
         cwd=REPO,
+        preexec_fn=as_at_a_terminal,
     )
     history = sim.state_dir / "history.jsonl"
     deadline = time.monotonic() + 60

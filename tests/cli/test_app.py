@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from clitools import FULL, READ_ONLY, interrupted_claim, ledger_locked, namespaced
+from clitools import FULL, READ_ONLY, as_at_a_terminal, interrupted_claim, ledger_locked, namespaced
 from simhosts import default_host
 
 from charly_arbiter.core.ledger import Ledger
@@ -233,6 +233,7 @@ def test_a_signal_before_the_claim_began_says_nothing_was_left(sim: SimEnv) -> N
             text=True,
             env=sim.env(),
             cwd=REPO,
+            preexec_fn=as_at_a_terminal,
         )
         # Waited for: the child has the lock file open, polling it (lock_wait is 20 s).
         lock = str(sim.state_dir / "ledger.lock")

@@ -286,6 +286,8 @@ def test_ctrl_c_is_passed_on_and_said_as_in_process(make_sim, server: Served):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # Ctrl-C as at a terminal, wherever the suite runs (see clitools.as_at_a_terminal).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         deadline = time.monotonic() + 60
         history = sim.state_dir / "history.jsonl"
