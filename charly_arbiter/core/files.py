@@ -41,7 +41,9 @@ def check_directory(directory: Path, *, create: bool) -> None:
     """The state directory: a real directory, owned by root, writable by nobody else."""
     with host_refusals(directory, "use"):
         if create and not directory.exists() and not directory.is_symlink():
-            directory.mkdir(mode=0o700, parents=True)
+            # exist_ok: processes started at once race to make it (the first command's
+            # claims on a fresh host); what is there is checked below all the same.
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
             info = os.lstat(directory)
         except FileNotFoundError:
