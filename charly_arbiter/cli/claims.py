@@ -107,7 +107,26 @@ def restore(
         _left_behind(arbiter, done)
     if not as_json:
         verb = "would restore" if dry_run else "restored"
-        click.echo(f"{verb} {', '.join(done)}" if done else "nothing to restore")
+        click.echo(f"{verb} {', '.join(done)}" if done else _nothing_to_restore(arbiter, refs))
+
+
+def _nothing_to_restore(arbiter: Arbiter, named: Sequence[Claimant]) -> str:
+    """What an empty restore says, and, for --stranded, the claimants that do not run but
+    were claimed too recently to be stranded: a restore run right after a VM's stop
+    would otherwise look like a lease that is never taken."""
+    if named:
+        return "nothing to restore"
+    waiting = arbiter.not_running_yet(arbiter.ledger.read())
+    if not waiting:
+        return "nothing to restore"
+    grace = arbiter.config.timeouts.claim_grace
+    names = ", ".join(f"{c} (claimed {age:.1f} s ago)" for c, age in sorted(waiting.items()))
+    verb = "does" if len(waiting) == 1 else "do"
+    return (
+        f"nothing to restore yet: {names} {verb} not run, but a lease is stranded only "
+        f"{grace:g} s after its claim (timeouts.claim_grace: a VM about to start does "
+        "not run yet); run this again then"
+    )
 
 
 def _restore_document(leases: Sequence[Lease], dry_run: bool) -> dict[str, Any]:

@@ -21,7 +21,12 @@ from charly_arbiter.core.crashpoints import crashpoint
 from charly_arbiter.core.events import EventKind, Events, drivers_label
 from charly_arbiter.core.host import Blocker, DeviceUser, Holder, Host, ScreenUse, TokenSpec
 from charly_arbiter.core.ledger import Ledger
-from charly_arbiter.core.liveness import claimant_liveness, claimant_runs, stranded_claimants
+from charly_arbiter.core.liveness import (
+    claimant_liveness,
+    claimant_runs,
+    not_running_yet,
+    stranded_claimants,
+)
 from charly_arbiter.core.model import (
     VFIO,
     Claimant,
@@ -621,6 +626,17 @@ class Arbiter:
 
     def stranded_claimants(self, state: LedgerState) -> frozenset[Claimant]:
         return self._stranded_unlocked(state, self.host.boot_id())
+
+    def not_running_yet(self, state: LedgerState) -> dict[Claimant, float]:
+        """Claimants that do not run, claimed less than `timeouts.claim_grace` ago:
+        stranded once it has passed (each with its claim's age in seconds)."""
+        boot_id = self.host.boot_id()
+        return not_running_yet(
+            state,
+            boot_id,
+            grace=self.config.timeouts.claim_grace,
+            alive=claimant_liveness(self.host, state, boot_id),
+        )
 
     def _stranded_unlocked(
         self, state: LedgerState, boot_id: str, alive: dict[Claimant, bool] | None = None

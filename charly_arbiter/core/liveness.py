@@ -66,12 +66,35 @@ def stranded_claimants(
     return frozenset(stranded)
 
 
+def not_running_yet(
+    state: LedgerState, boot_id: str, *, grace: float, alive: Mapping[Claimant, bool]
+) -> dict[Claimant, float]:
+    """Claimants that do not run but are not stranded, because their claim is younger
+    than `grace`: each with its claim's age in seconds.  What `restore --stranded`
+    names when it finds nothing, so that "nothing to restore" right after a VM's stop
+    is not mistaken for a lease that will never end."""
+    waiting: dict[Claimant, float] = {}
+    for lease in state.leases:
+        if lease.boot_id != boot_id or lease.state is not LeaseState.ACTIVE:
+            continue
+        if lease.is_operation or alive.get(lease.claimant, True):
+            continue
+        age = _age(lease)
+        if age is not None and age < grace:
+            waiting[lease.claimant] = max(age, 0.0)
+    return waiting
+
+
 def _young(lease: Lease, grace: float) -> bool:
+    age = _age(lease)
+    return age is not None and age < grace
+
+
+def _age(lease: Lease) -> float | None:
     try:
-        age = time.time() - datetime.fromisoformat(lease.created).timestamp()
+        return time.time() - datetime.fromisoformat(lease.created).timestamp()
     except ValueError:
-        return False
-    return age < grace
+        return None
 
 
 def claimant_runs(host: Host, lease: Lease) -> bool:

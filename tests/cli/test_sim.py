@@ -69,6 +69,8 @@ def test_a_simulated_host_never_reaches_for_this_machines_files(tmp_path: Path) 
     python = shlex.join([sys.executable, "-m", "charly_arbiter"])
     for index, (argv, _, _) in enumerate(COMMANDS):
         words = [word.format(dir=directory) for word in argv]
+        if "restore" in argv:  # past the sim's claim_grace (1 s): younger is not stranded
+            lines.append("sleep 1.2")
         env = ""
         if argv[0] not in ("--host", "sim"):
             env = f"CHARLY_ARBITER_HOST={shlex.quote(f'sim:{directory}')} "
@@ -143,16 +145,25 @@ def test_sim_init_makes_a_host_its_commands_stop_start_and_reboot(tmp_path: Path
     assert (directory / "host.toml").exists() and (directory / "arbiter.toml").exists()
     config = directory / "arbiter.toml"
     assert "claim_grace = 1\n" in config.read_text()
-    # A claimant is judged at once.
-    config.write_text(config.read_text().replace("claim_grace = 1\n", "claim_grace = 0.001\n"))
     shown = json.loads(cli("sim", "show").stdout)
     assert shown["running"] == {
         "container:llm": True,
         "systemd:display-manager.service": True,
     }
     boot = shown["boot_id"]
+    # Within its claim_grace a claimant that does not run is not stranded yet (a VM
+    # between its prepare hook and its start), and `restore --stranded` says so.
+    config.write_text(config.read_text().replace("claim_grace = 1\n", "claim_grace = 600\n"))
     assert cli("acquire", "--exclusive", "libvirt:win11", "gpu0").returncode == 0
     assert cli("sim", "stop", "libvirt:win11").returncode == 0
+    assert json.loads(cli("status", "--json").stdout)["stranded"] == []
+    early = cli("restore", "--stranded")
+    assert early.returncode == 0, early.stderr
+    assert early.stdout.startswith("nothing to restore yet: libvirt:win11 (claimed "), early
+    assert "600 s after its claim (timeouts.claim_grace" in early.stdout, early
+    assert json.loads(cli("status", "--json").stdout)["leases"] != []
+    # A claimant is judged at once.
+    config.write_text(config.read_text().replace("claim_grace = 600\n", "claim_grace = 0.001\n"))
     assert json.loads(cli("status", "--json").stdout)["stranded"] == ["libvirt:win11"]
     assert cli("sim", "start", "libvirt:win11").returncode == 0
     assert json.loads(cli("status", "--json").stdout)["stranded"] == []

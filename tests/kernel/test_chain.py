@@ -478,6 +478,7 @@ def test_a_vf_is_passed_through_by_libvirtd_and_its_pf_is_untouched(chain):
     assert running["violations"] == []
     assert running["pf_nvme_controller"] == run["created"]["pf_nvme_controller"] != []
     ok(run["vm_destroy"])
+    assert run["vm_released"], (run["vm_released_seconds"], run["vm_destroyed"])
     destroyed = run["vm_destroyed"]
     assert destroyed["drivers"] == {PF: "nvme", VF0: None, VF1: None}
     assert destroyed["ledger"]["leases"] == [] and destroyed["violations"] == []
