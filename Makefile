@@ -72,8 +72,8 @@ install-python:
 		"$(DESTDIR)" "$(PREFIX)" "$(BINDIR)"
 
 install-data: man completions
-	@# the program itself: two lines, not the installers' launcher (it imports re)
-	$(PYTHON) packaging/launcher.py $(DESTDIR)$(BINDIR)/charly-arbiter $(PYTHON)
+	@# the program itself, not the installers' launcher (it imports re, and site)
+	$(PYTHON) packaging/launcher.py $(DESTDIR)$(BINDIR)/charly-arbiter $(PYTHON) $(PREFIX)
 	install -d -m 0755 $(DESTDIR)$(dir $(HOOK))
 	@# the hook runs the program where BINDIR put it (it does nothing if that is missing)
 	sed 's|^CHARLY_ARBITER=/usr/bin/charly-arbiter$$|CHARLY_ARBITER=$(BINDIR)/charly-arbiter|' \

@@ -22,9 +22,10 @@ CHARLY_ARBITER_SERVE=must, so a row fails rather than measure a command that
 ran in-process); then where a request through the helper spends its time
 (serve_phases.py).
 
-The hook is run as libvirt runs it: hooks/qemu (sh), which execs a launcher
-like the one the package installs (`#!PYTHON` + `from charly_arbiter.cli
-import main`), pointed at this checkout; the CLI's rows run that launcher too.
+The hook is run as libvirt runs it: hooks/qemu (sh), which execs the launcher
+the package installs (packaging/launcher.py: `#!PYTHON -S`, Python without
+`site` until a command runs in-process), pointed at this checkout; the CLI's
+rows run that launcher too.
 
 Run: python3 bench/bench_costs.py [--python /usr/bin/python3] [--runs N] [--no-libvirt]
 """
@@ -44,6 +45,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "packaging"))
+
+from launcher import write_launcher  # noqa: E402
 
 from charly_arbiter.core.ledger import Ledger  # noqa: E402
 from charly_arbiter.core.model import Lease, LeaseState, Mode  # noqa: E402
@@ -112,12 +116,10 @@ class Setup:
             capture_output=True,
         )
         self.env["CHARLY_ARBITER_CONFIG"] = str(root / "sim" / "arbiter.toml")
+        # The program as the package installs it (packaging/launcher.py: without
+        # `site`), pointing at this checkout.
         self.launcher = root / "charly-arbiter"
-        self.launcher.write_text(
-            f"#!{python}\nimport sys\nsys.path.insert(0, {str(REPO)!r})\n"
-            "from charly_arbiter.cli import main\nmain()\n"
-        )
-        self.launcher.chmod(0o755)
+        write_launcher(self.launcher, python, str(REPO))
         self.hook = root / "qemu"
         script = (REPO / "hooks" / "qemu").read_text()
         self.hook.write_text(script.replace("/usr/bin/charly-arbiter", str(self.launcher)))
@@ -305,9 +307,9 @@ def phase_rows(setup: Setup, runs: int) -> dict[str, float | str]:
     for line in result.stdout.splitlines():
         name, _, value = line.rpartition(" ")
         rows[f"  {name} (ms)"] = float(value)
-    rows["  the client's start: python + `import charly_arbiter.cli` (ms)"] = median_ms(
+    rows["  the client's start: python -S + `import charly_arbiter.cli` (ms)"] = median_ms(
         lambda: run(
-            [setup.python, "-c", "import charly_arbiter.cli, charly_arbiter.serve.client"],
+            [setup.python, "-S", "-c", "import charly_arbiter.cli, charly_arbiter.serve.client"],
             env=setup.env,
         ),
         runs,

@@ -55,6 +55,33 @@ def guarded(work: Callable[[], int], *, what: str, lets_go: Callable[[], bool]) 
         return 0 if lets_go() else code
 
 
+def python_with_site() -> None:
+    """Set Python's `site` up now, if the program was started without it.
+
+    The installed launcher starts Python with -S (packaging/launcher.py): handing a
+    command to the resident helper needs the standard library only, and skipping
+    `site` saves a third of the interpreter's start.  Whatever runs in-process (the
+    click CLI, the hooks' slow paths, the server) imports installed libraries, which
+    `site` puts on sys.path (with their .pth files and sitecustomize): it calls this
+    first.  The launcher's own entry for the package is taken out first and put
+    back only if `site` did not add it, so the search order is the usual one."""
+    global _site_ready
+    if _site_ready or not sys.flags.no_site:
+        return
+    _site_ready = True
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if sys.path and sys.path[-1] == ours:
+        sys.path.pop()
+    import site
+
+    site.main()
+    if ours not in sys.path:
+        sys.path.append(ours)
+
+
+_site_ready = False
+
+
 def say(message: str, hint: str | None) -> None:
     """One or two sentences on stderr; names in them (`libvirt:../../x`) stay as they are."""
     text = f"charly-arbiter: {_sentence(message)}"

@@ -4,9 +4,8 @@
 `python3 -m installer --prefix` follows the interpreter's default scheme, and
 Debian's (posix_local) adds its own `/local`: PREFIX=/usr/local would land in
 /usr/local/local/lib/....  So the target directory is chosen here, the way each
-distribution lays out its Python: on Debian /usr/lib/python3/dist-packages for
-PREFIX=/usr and PREFIX/lib/python3.X/dist-packages otherwise; elsewhere the
-standard posix_prefix scheme (PREFIX/lib/python3.X/site-packages).  Usage:
+distribution lays out its Python (launcher.python_dir, where the program looks for
+the package).  Usage:
 
     install-wheel.py WHEEL DESTDIR PREFIX BINDIR
 """
@@ -14,20 +13,12 @@ standard posix_prefix scheme (PREFIX/lib/python3.X/site-packages).  Usage:
 from __future__ import annotations
 
 import sys
-import sysconfig
 from pathlib import Path
 
 from installer import install
 from installer.destinations import SchemeDictionaryDestination
 from installer.sources import WheelFile
-
-
-def python_dir(prefix: str) -> str:
-    if "deb_system" in sysconfig.get_scheme_names():  # Debian and its derivatives
-        if prefix == "/usr":
-            return sysconfig.get_path("purelib", "deb_system", vars={"base": prefix})
-        return f"{prefix}/lib/python{sysconfig.get_python_version()}/dist-packages"
-    return sysconfig.get_path("purelib", "posix_prefix", vars={"base": prefix})
+from launcher import python_dir
 
 
 def main(wheel: str, destdir: str, prefix: str, bindir: str) -> None:

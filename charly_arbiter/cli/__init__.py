@@ -14,6 +14,8 @@ to the resident helper (`charly-arbiter serve`, hidden from --help), which runs
 this very `main(argv)` in a fresh fork of a process that has imported everything
 already; without the helper, or when it does not answer within its deadline, the
 command runs here (serve/client.py).  The hooks offer only their slow paths.
+The installed program starts Python without `site` (packaging/launcher.py),
+which whatever runs here sets up first (`hookio.python_with_site`).
 
 Errors are turned into one or two sentences on stderr here, at one boundary;
 a traceback only with `-v`.
@@ -52,7 +54,10 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
+    from charly_arbiter.hookio import python_with_site
+
     if args[:1] == ["serve"]:
+        python_with_site()
         from charly_arbiter.serve.server import main as serve_main
 
         sys.exit(serve_main(args[1:], run=main))
@@ -71,10 +76,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
         sys.exit(proxmox_main(args[2:]))
     if args[:2] == ["hook", "oci-inject"]:
+        python_with_site()
         from charly_arbiter.oci.inject import main as inject_main
 
         sys.exit(inject_main(args[2:]))
     if args[:1] and args[0].startswith("_"):
+        python_with_site()
         from charly_arbiter.cli.detached import main as detached_main
 
         sys.exit(detached_main(args))
@@ -82,6 +89,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         from charly_arbiter.libvirt.hook import main as hook_main
 
         sys.exit(hook_main(args[1:]))
+    python_with_site()
     from charly_arbiter.cli.app import build
 
     build(COMMANDS)(args=args, prog_name="charly-arbiter")

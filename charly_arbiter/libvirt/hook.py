@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 
-from charly_arbiter.hookio import guarded, say, scan_config
+from charly_arbiter.hookio import guarded, python_with_site, say, scan_config
 
 HANDLED = {"prepare": "begin", "release": "end", "reconnect": "begin", "migrate": "begin"}
 ALWAYS_SUCCEED = ("release", "reconnect")
@@ -77,6 +77,7 @@ def _dispatch(argv: list[str], guest: str, operation: str, extra: str) -> int:
     served = forward(["hook", *argv], xml)
     if served is not None:
         return served
+    python_with_site()
     from charly_arbiter.libvirt import hookrun
 
     return hookrun.dispatch(guest, operation, extra, None if oversized else xml)

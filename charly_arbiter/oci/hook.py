@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
-from charly_arbiter.hookio import guarded, scan_config
+from charly_arbiter.hookio import guarded, python_with_site, scan_config
 
 MAX_STATE = 1 << 20
 MAX_SPEC = 16 << 20  # spec.MAX_SPEC, not imported: the fast path stays light
@@ -82,6 +82,7 @@ def _dispatch(argv: list[str], stages: list[str | None], engine: str | None) -> 
     served = forward(["hook", "oci", *argv], raw)
     if served is not None:
         return served
+    python_with_site()
     from charly_arbiter.oci import hookrun
 
     return hookrun.dispatch(stage, state, spec, engine)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import sys
 
-from charly_arbiter.hookio import guarded, say, scan_config
+from charly_arbiter.hookio import guarded, python_with_site, say, scan_config
 
 HANDLED = ("pre-start", "post-start", "post-stop")
 ALWAYS_SUCCEED = ("post-start", "post-stop")
@@ -89,6 +89,7 @@ def _dispatch(vmid: str, phase: str) -> int:
     served = forward(["hook", "proxmox", vmid, phase])
     if served is not None:
         return served
+    python_with_site()
     from charly_arbiter.proxmox import hookrun
 
     return hookrun.dispatch(vmid, phase)

@@ -37,7 +37,13 @@ def settings(name: str) -> dict[str, str]:
 
 def _launcher(path: Path) -> Path:
     subprocess.run(
-        [sys.executable, str(REPO / "packaging" / "launcher.py"), str(path), sys.executable],
+        [
+            sys.executable,
+            str(REPO / "packaging" / "launcher.py"),
+            str(path),
+            sys.executable,
+            "/usr",
+        ],
         check=True,
     )
     return path
