@@ -26,9 +26,17 @@ Figures (medians over the runs, with the range), read from the browser:
   ratios), its imports (`-X importtime`, by top-level package) and the work
   (in-process, after the imports; `--profile` prints where it goes).
 
+The page runs the program as the package installs it (packaging/launcher.py,
+pointed at the checkout), two ways, each in a Cockpit of its own: in-process
+(CHARLY_ARBITER_SERVE=off) and through the resident helper (`charly-arbiter
+serve` started by hand on a socket of the run's own, CHARLY_ARBITER_SERVE=must:
+a follower that did not run there fails the run), as a host with the package's
+socket unit runs it.
+
 Not a timed test: the figures depend on the machine (print `uptime` with them).
 
 Run: /usr/bin/python3 bench/bench_page.py [--runs N] [--repo DIR] [--profile]
+     [--way in-process|helper|both]
 (`--repo` measures another checkout's page and CLI, e.g. an export of main.)
 """
 
@@ -53,6 +61,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "cockpit"))
 
+sys.path.insert(0, str(REPO / "packaging"))
+
 from cockpittools import (  # noqa: E402
     COCKPIT_LOCK,
     PYTHON,
@@ -62,6 +72,7 @@ from cockpittools import (  # noqa: E402
     start_chromium,
     start_cockpit,
 )
+from launcher import write_launcher  # noqa: E402
 from machine import flocked  # noqa: E402
 
 SPAN = "charly-arbiter:"
@@ -105,6 +116,43 @@ class Host:
 
     def argv(self, *args: str) -> list[str]:
         return [PYTHON, "-m", "charly_arbiter", *args]
+
+    def program(self, root: Path) -> Path:
+        """The program as the package installs it, pointed at `repo`."""
+        launcher = root / "bin" / "charly-arbiter"
+        write_launcher(launcher, PYTHON, str(self.repo))
+        return launcher
+
+
+class Helper:
+    """`charly-arbiter serve` on a socket of this run, until `stop`."""
+
+    def __init__(self, host: Host, program: Path, socket: Path) -> None:
+        self.socket = socket
+        self.process = subprocess.Popen(
+            [str(program), "serve", "--socket", str(socket)],
+            env=host.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        environ = {**host.env, **dict(e.split("=", 1) for e in self.environ())}
+        wait(
+            lambda: subprocess.run([str(program), "--version"], env=environ).returncode == 0,
+            60,
+            "the resident helper",
+        )
+
+    def environ(self) -> list[str]:
+        return [
+            f"CHARLY_ARBITER_SOCKET={self.socket}",
+            "CHARLY_ARBITER_SERVE=must",
+            "CHARLY_ARBITER_SERVE_DEADLINE_MS=2000",  # a row measures, never falls back
+        ]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
 
     def cli(self, *args: str) -> str:
         done = subprocess.run(self.argv(*args), env=self.env, capture_output=True, text=True)
@@ -280,14 +328,18 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--repo", type=Path, default=REPO, help="the checkout measured")
     parser.add_argument("--profile", action="store_true", help="print the work's profile")
+    parser.add_argument("--way", choices=("in-process", "helper", "both"), default="both")
     args = parser.parse_args()
+    ways = [args.way == "helper"] if args.way != "both" else [False, True]
     with flocked(COCKPIT_LOCK, "a Cockpit test session (tests/cockpit)") as waited:
         if waited > 1:
             print(f"waited {waited:.0f} s for {COCKPIT_LOCK}", file=sys.stderr)
-        return measure(args.repo.resolve(), args.runs, args.profile)
+        for served in ways:
+            measure(args.repo.resolve(), args.runs, args.profile, served)
+        return 0
 
 
-def measure(repo: Path, runs: int, profile: bool) -> int:
+def measure(repo: Path, runs: int, profile: bool, served: bool) -> None:
     load = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="charly-bench-page-") as directory:
         root = Path(directory)
@@ -296,7 +348,10 @@ def measure(repo: Path, runs: int, profile: bool) -> int:
         alone = median_ms(lambda: host.cli("status", "--json"), runs)
         imports = importtime(host, 3)
         work = work_ms(host, runs * 3, profile)
-        config = arbiter_config(host.config, repo=repo)
+        program = host.program(root)
+        config = arbiter_config(host.config, command=[str(program)], repo=repo)
+        helper = Helper(host, program, root / "serve.sock") if served else None
+        config["environ"] += helper.environ() if helper else ["CHARLY_ARBITER_SERVE=off"]
         cockpit = start_cockpit(root / "cockpit", config, repo / "cockpit")
         driver = start_chromium(root / "chromium")
         browser = Browser(driver)
@@ -318,7 +373,7 @@ def measure(repo: Path, runs: int, profile: bool) -> int:
                 spawns["/bin/true"].append(bridge_ms(browser, ["/bin/true"]))
                 spawns["python3 -c pass"].append(bridge_ms(browser, [PYTHON, "-c", "pass"]))
                 spawns["status --json"].append(
-                    bridge_ms(browser, host.argv("status", "--json"), config["environ"])
+                    bridge_ms(browser, [str(program), "status", "--json"], config["environ"])
                 )
                 for change_args in (
                     ("acquire", "--shared", "container:bench", "gpu1"),
@@ -331,11 +386,14 @@ def measure(repo: Path, runs: int, profile: bool) -> int:
         finally:
             driver.quit()
             cockpit.stop()
+            if helper is not None:
+                helper.stop()
             shutil.rmtree(root / "chromium", ignore_errors=True)
     after = os.getloadavg()
+    way = "through the resident helper" if served else "in-process"
     print(
-        f"the GPUs page of {repo}, {runs} runs (load average {load[0]:.2f} before, "
-        f"{after[0]:.2f} after)"
+        f"the GPUs page of {repo}, its CLI {way}, {runs} runs (load average "
+        f"{load[0]:.2f} before, {after[0]:.2f} after)"
     )
     through_bridge = statistics.median(spawns["status --json"])
     for title, opened in (
@@ -359,7 +417,6 @@ def measure(repo: Path, runs: int, profile: bool) -> int:
     for group, ms in imports.items():
         print(f"  {'  imports: ' + group:<36} {ms:7.0f} ms  (-X importtime, self)")
     print(f"  {'  the work (in-process)':<36} {work:7.1f} ms")
-    return 0
 
 
 if __name__ == "__main__":

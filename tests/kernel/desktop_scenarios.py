@@ -48,6 +48,7 @@ from typing import Any
 
 import chain
 import sysfacts
+from libvirt_units import LIBVIRT_UNITS
 from sysfacts import GPU, card_holders, cli, systemctl, wait_for
 
 DM = "display-manager.service"
@@ -68,18 +69,6 @@ ExecStartPre=/bin/false
 Restart=always
 RestartSec=1
 """
-LIBVIRT_UNITS = (
-    "libvirtd.service",
-    "libvirtd.socket",
-    "libvirtd-ro.socket",
-    "libvirtd-admin.socket",
-    "virtlogd.service",
-    "virtlogd.socket",
-    "virtlogd-admin.socket",
-    "virtlockd.service",
-    "virtlockd.socket",
-    "virtlockd-admin.socket",
-)
 # Kill points of the claim after its first stop (acquire.stop#1 comes before any: the
 # simulated host covers it, with the intent), and the release's: each leaves the host
 # in a state of its own.  release.sleep and release.switch are left to the simulated
@@ -476,7 +465,7 @@ def scenario_screen_teardown(s: Any) -> None:
         s.out["restore"] = cli("restore")
     if sysfacts.ledger()["poisoned"]:
         s.out["clear"] = cli("poison", "clear", "gpu")
-    s.out["stop"] = systemctl("stop", DM, *LIBVIRT_UNITS, timeout=180)
+    s.out["stop"] = systemctl("stop", DM, *sorted(LIBVIRT_UNITS), timeout=180)
     systemctl("reset-failed", DM)
     others = [getty for getty in gettys() if getty != GETTY]
     if others:

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from guest import CACHE, INITRAMFS_MODULES, QEMU, Kernel, _download, build_initramfs
+from libvirt_units import LIBVIRT_UNITS  # left alone (not started, not masked) for libvirt
 
 REPO = Path(__file__).resolve().parents[2]
 SHARE = "/charly/share"  # the share, in the guest
@@ -95,21 +96,6 @@ ALWAYS_MASKED = (
     "systemd-update-utmp.service",
     "systemd-update-utmp-runlevel.service",
     "systemd-journal-flush.service",
-)
-# libvirt's units, left alone (not started at boot, not masked) when a spec asks for libvirt.
-LIBVIRT_UNITS = frozenset(
-    {
-        "libvirtd.service",
-        "libvirtd.socket",
-        "libvirtd-ro.socket",
-        "libvirtd-admin.socket",
-        "virtlogd.service",
-        "virtlogd.socket",
-        "virtlogd-admin.socket",
-        "virtlockd.service",
-        "virtlockd.socket",
-        "virtlockd-admin.socket",
-    }
 )
 
 INIT = """#!/bin/busybox sh
