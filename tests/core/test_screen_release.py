@@ -35,6 +35,7 @@ from charly_arbiter.core.model import (
     StepState,
 )
 from charly_arbiter.core.planner import decide_claim, screen_stops
+from tests.conftest import SIM_CONFIG
 
 GPU0, AUDIO0, GPU1 = "0000:0a:00.0", "0000:0a:00.1", "0000:0b:00.0"
 DM = "display-manager:gdm.service"
@@ -147,23 +148,14 @@ HOST = host(
     holder("systemd", "ollama.service", ["gpu0"], preemptible=True),
     desktop(GPU0),
 )
-CONFIG = """
-host = "sim:{sim}"
-state_dir = "{state}"
-
-[timeouts]
-lock_wait = 20
-driver_switch = 2
-claim_grace = 0.001
-screen_grace = 0.01
-
-[tokens.gpu0]
-address = "0000:0a:00.0"
-screen = "release"
-
-[tokens.gpu1]
-address = "0000:0b:00.0"
-"""
+# The suite's simulated configuration, its desktop told for a hundredth of a second,
+# gpu0's screen given up rather than refused.
+CONFIG = (
+    SIM_CONFIG
+    + "screen_grace = 0.01\n"
+    + '\n[tokens.gpu0]\naddress = "0000:0a:00.0"\nscreen = "release"\n'
+    + '\n[tokens.gpu1]\naddress = "0000:0b:00.0"\n'
+)
 HOME = {GPU0: "nvidia", AUDIO0: "snd_hda_intel", GPU1: "nvidia"}
 
 
