@@ -19,6 +19,14 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
 DEFAULT_CONFIG = "/etc/charly-arbiter/arbiter.toml"  # core/config's, without importing it
+DEFAULT_STATE = b"/var/lib/charly-arbiter"  # core/config's DEFAULT_STATE_DIR, likewise
+ENV_STATE_DIR = "CHARLY_ARBITER_STATE_DIR"
+# The most of a ledger a fast path reads (a thousand leases are a few hundred KiB).
+MAX_LEDGER = 64 << 20
+
+
+class Unsure(Exception):
+    """A fast path cannot tell for certain: the slow path decides."""
 
 
 def stdout_to_stderr() -> None:
@@ -114,3 +122,90 @@ def scan_config(config: str | None) -> tuple[bool, bytes] | None:
         line.lstrip().startswith(b"host") and b'"sim:' in line for line in text.splitlines()
     )
     return simulated, text
+
+
+def setting(toml: bytes, key: bytes) -> bytes | None:
+    """The value of `key = "…"` in arbiter.toml, read without a TOML parser: None
+    when no line sets it; Unsure when a line does in a way this does not read for
+    certain (escapes, a multi-line string, the key twice).  The slow path parses
+    the file properly and has the last word."""
+    if b"'''" in toml or b'"""' in toml:
+        raise Unsure
+    found = None
+    for raw in toml.splitlines():
+        line = raw.strip()
+        if not line.startswith(key):
+            continue
+        rest = line[len(key) :].lstrip()
+        if not rest.startswith(b"="):
+            continue
+        value = rest[1:].strip()
+        quote = value[:1]
+        if quote not in (b'"', b"'"):
+            raise Unsure
+        end = value.find(quote, 1)
+        text, tail = value[1:end], value[end + 1 :].strip()
+        if end < 0 or b"\\" in text or (tail and not tail.startswith(b"#")) or found is not None:
+            raise Unsure
+        found = text
+    return found
+
+
+def state_dir(settings: bytes, *, simulated: bool) -> bytes:
+    """The state directory, from the environment or arbiter.toml's bytes; Unsure for a
+    simulated host that names none (its own, DIR/state: the slow path knows it) and
+    for one that is not an absolute path (the slow path says what is wrong)."""
+    state = os.environ.get(ENV_STATE_DIR, "").encode() or setting(settings, b"state_dir")
+    if not state:
+        if simulated:
+            raise Unsure
+        return DEFAULT_STATE
+    if not state.startswith(b"/"):
+        raise Unsure
+    return state
+
+
+def read_bounded(path: bytes, limit: int, missing: bytes | None = None) -> bytes:
+    """A file's bytes, at most `limit` of them; `missing` when it does not exist
+    (None: Unsure), Unsure when it cannot be read or is larger."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except FileNotFoundError:
+        if missing is None:
+            raise Unsure from None
+        return missing
+    except OSError:
+        raise Unsure from None
+    if len(data) > limit:
+        raise Unsure
+    return data
+
+
+def ledger_may_name(claimant: str, state: bytes) -> bool:
+    """Whether the ledger in `state` may name `claimant` (as a lease's, or as a
+    holder a lease stopped); False only when sure that it does not: the name is
+    plain (printable, with no quote or backslash: the ledger writes it as it is,
+    core/ledger_format._string) and its quoted form is nowhere in the ledger's bytes.  Read without the lock,
+    like the slow path's first look: the ledger is only ever replaced whole."""
+    plain = claimant.isprintable() and '"' not in claimant and "\\" not in claimant
+    if not plain:
+        return True
+    try:
+        ledger = read_bounded(state + b"/ledger.toml", MAX_LEDGER, missing=b"")
+    except Unsure:
+        return True
+    return b'"' + claimant.encode() + b'"' in ledger
+
+
+def configured_ledger_may_name(claimant: str) -> bool:
+    """`ledger_may_name` in the configured state directory (environment, then
+    arbiter.toml); True when that cannot be read for certain."""
+    scan = scan_config(None)
+    if scan is None:
+        return True
+    try:
+        state = state_dir(scan[1], simulated=scan[0])
+    except Unsure:
+        return True
+    return ledger_may_name(claimant, state)

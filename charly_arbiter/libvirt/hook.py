@@ -6,9 +6,10 @@ already let through only the operations handled here and XML that mentions a
 hostdev or a claim element; this scans the XML's bytes once more and looks at
 each PCI hostdev's class in sysfs, so that a VM with a NIC or a USB controller
 passed through is let go before the configuration, the ledger or libvirt are
-loaded.  Everything after that is `hookrun`, imported here and only here, unless
-the resident helper takes it (`serve`: the same command, with the XML read here,
-in a process that has imported everything already).
+loaded; a `release` of a domain the ledger's bytes do not name (every refused
+start) is let go the same way.  Everything after that is `hookrun`, imported here
+and only here, unless the resident helper takes it (`serve`: the same command,
+with the XML read here, in a process that has imported everything already).
 
 Contract (docs/libvirt.md): nothing on stdout (libvirt reads it as XML for
 some operations); `prepare` refuses with a non-zero exit and one or two
@@ -24,7 +25,13 @@ from __future__ import annotations
 import os
 import sys
 
-from charly_arbiter.hookio import guarded, python_with_site, say, scan_config
+from charly_arbiter.hookio import (
+    configured_ledger_may_name,
+    guarded,
+    python_with_site,
+    say,
+    scan_config,
+)
 
 HANDLED = {"prepare": "begin", "release": "end", "reconnect": "begin", "migrate": "begin"}
 ALWAYS_SUCCEED = ("release", "reconnect")
@@ -61,6 +68,10 @@ def main(argv: list[str]) -> int:
 
 def _dispatch(argv: list[str], guest: str, operation: str, extra: str) -> int:
     xml = _read_stdin()
+    if operation == "release" and not configured_ledger_may_name(f"libvirt:{guest}"):
+        # The ledger alone decides a release, and it names nothing of this domain's:
+        # a refused start, a VM that claims nothing.  Nothing to release, no Python.
+        return 0
     # Too large to read whole: refused at prepare; otherwise the ledger decides.
     oversized = len(xml) > MAX_XML
     if oversized and operation == "prepare":

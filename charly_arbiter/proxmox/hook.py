@@ -28,25 +28,29 @@ from __future__ import annotations
 import os
 import sys
 
-from charly_arbiter.hookio import guarded, python_with_site, say, scan_config
+from charly_arbiter.hookio import (
+    Unsure,
+    guarded,
+    ledger_may_name,
+    python_with_site,
+    read_bounded,
+    say,
+    scan_config,
+    setting,
+    state_dir,
+)
 
 HANDLED = ("pre-start", "post-start", "post-stop")
 ALWAYS_SUCCEED = ("post-start", "post-stop")
 # vmconf.MAX_CONFIG_BYTES, not imported: the fast path stays light.
 MAX_CONFIG = 1 << 20
-# core/config's defaults (ProxmoxConfig.config_dir, DEFAULT_STATE_DIR), not imported.
+# core/config's default (ProxmoxConfig.config_dir), not imported.
 DEFAULT_PVE = b"/etc/pve"
-DEFAULT_STATE = b"/var/lib/charly-arbiter"
-ENV_STATE_DIR = "CHARLY_ARBITER_STATE_DIR"
 # STATE/proxmox-started/VMID: the start reached post-start (hookrun.STARTED_DIR).
 STARTED_DIR = b"proxmox-started"
 # Without one of these in its main section a VM cannot claim (vmconf's rules).
 CLAIM_MARKERS = (b"hostpci", b"charly-")
 USAGE = "usage: charly-arbiter hook proxmox VMID PHASE"
-
-
-class _Unsure(Exception):
-    """The fast path cannot tell for certain: the slow path decides."""
 
 
 def main(argv: list[str]) -> int:
@@ -80,7 +84,7 @@ def _dispatch(vmid: str, phase: str) -> int:
             return 0
         if not _may_concern(vmid, phase):
             return 0  # the fast path: nothing to claim, nothing to release
-    except _Unsure:
+    except Unsure:
         if phase == "post-start":
             return 0  # the watcher then asks whether the VM runs
 
@@ -103,28 +107,26 @@ def valid_vmid(text: str) -> bool:
 def _may_concern(vmid: str, phase: str) -> bool:
     """False only when sure: the VM's main section names no PCI device and no
     override, and (at post-stop) the ledger does not name the VM."""
-    settings = _settings()
+    simulated, settings = _settings()
     pve = setting(settings, b"config_dir") or DEFAULT_PVE
     # No file at pre-start (a container, or a wrong config_dir): the slow path says
     # which.  At post-stop, qm cleanup runs only while the file exists; the ledger decides.
     missing = None if phase == "pre-start" else b""
     if may_claim(_read(pve + b"/qemu-server/" + vmid.encode() + b".conf", missing)):
         return True
-    return phase == "post-stop" and _in_ledger(vmid, settings)
-
-
-def _in_ledger(vmid: str, settings: bytes) -> bool:
-    ledger = _read(_state_dir(settings) + b"/ledger.toml", missing=b"")
-    return b'"proxmox:' + vmid.encode() + b'"' in ledger
+    return phase == "post-stop" and ledger_may_name(
+        f"proxmox:{vmid}", state_dir(settings, simulated=simulated)
+    )
 
 
 def _note_started(vmid: str) -> None:
     """post-start of a VM that holds a lease: STATE/proxmox-started/VMID (pre-start
     removed it before claiming).  The VMID is checked, so it is a safe file name."""
-    settings = _settings()
-    if not _in_ledger(vmid, settings):
+    simulated, settings = _settings()
+    state = state_dir(settings, simulated=simulated)
+    if not ledger_may_name(f"proxmox:{vmid}", state):
         return
-    directory = _state_dir(settings) + b"/" + STARTED_DIR
+    directory = state + b"/" + STARTED_DIR
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
         fd = os.open(
@@ -134,19 +136,15 @@ def _note_started(vmid: str) -> None:
         )
         os.close(fd)
     except OSError:
-        raise _Unsure from None
+        raise Unsure from None
 
 
-def _settings() -> bytes:
+def _settings() -> tuple[bool, bytes]:
+    """Whether the host is simulated, and arbiter.toml's bytes (hookio.scan_config)."""
     scan = scan_config(None)
     if scan is None:
-        raise _Unsure
-    return scan[1]
-
-
-def _state_dir(settings: bytes) -> bytes:
-    state = os.environ.get(ENV_STATE_DIR, "").encode() or setting(settings, b"state_dir")
-    return state or DEFAULT_STATE
+        raise Unsure
+    return scan
 
 
 def may_claim(config: bytes) -> bool:
@@ -165,42 +163,4 @@ def may_claim(config: bytes) -> bool:
 
 def _read(path: bytes, missing: bytes | None = None) -> bytes:
     """A file's bytes, bounded; `missing` when it does not exist (None: unsure)."""
-    try:
-        with open(path, "rb") as handle:
-            data = handle.read(MAX_CONFIG * 16 + 1)
-    except FileNotFoundError:
-        if missing is None:
-            raise _Unsure from None
-        return missing
-    except OSError:
-        raise _Unsure from None
-    if len(data) > MAX_CONFIG * 16:
-        raise _Unsure
-    return data
-
-
-def setting(toml: bytes, key: bytes) -> bytes | None:
-    """The value of `key = "…"` in arbiter.toml, read without a TOML parser: None
-    when no line sets it; _Unsure when a line does in a way this does not read for
-    certain (escapes, a multi-line string, the key twice).  The slow path parses
-    the file properly and has the last word."""
-    if b"'''" in toml or b'"""' in toml:
-        raise _Unsure
-    found = None
-    for raw in toml.splitlines():
-        line = raw.strip()
-        if not line.startswith(key):
-            continue
-        rest = line[len(key) :].lstrip()
-        if not rest.startswith(b"="):
-            continue
-        value = rest[1:].strip()
-        quote = value[:1]
-        if quote not in (b'"', b"'"):
-            raise _Unsure
-        end = value.find(quote, 1)
-        text, tail = value[1:end], value[end + 1 :].strip()
-        if end < 0 or b"\\" in text or (tail and not tail.startswith(b"#")) or found is not None:
-            raise _Unsure
-        found = text
-    return found
+    return read_bounded(path, MAX_CONFIG * 16, missing)

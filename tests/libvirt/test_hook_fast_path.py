@@ -296,3 +296,134 @@ def test_both_hooks_scan_the_configuration_the_same_way(tmp_path: Path, monkeypa
     assert scan_config(str(tmp_path)) is None  # a directory: not readable as a file
     monkeypatch.setenv("CHARLY_ARBITER_HOST", "sim:/tmp/x")
     assert scan_config(str(tmp_path / "missing.toml")) == (True, b"")
+
+
+# -- a release the ledger does not name (every refused start) --------------------------------
+
+GPU_HOSTDEV_XML = xml_with(pci_hostdev("0000:0a:00.0"))
+END = ("release", "end", "destroyed")
+
+
+def _ledger_naming(state: Path, *claimants: str, holder: str | None = None) -> None:
+    """A real ledger (core/ledger's own writer) with an active lease of each claimant,
+    the first one having stopped `holder`."""
+    from charly_arbiter.core.ledger import Ledger
+    from charly_arbiter.core.model import Lease, LeaseState, LedgerState, Mode, StoppedHolder
+
+    leases = tuple(
+        Lease(
+            claimant=claimant,
+            mode=Mode.SHARED,
+            tokens=("gpu1",),
+            state=LeaseState.ACTIVE,
+            transient=False,
+            boot_id="b",
+            created="2026-01-01T00:00:00+00:00",
+            stopped=(StoppedHolder(holder=holder, tokens=("gpu1",)),) if holder and i == 0 else (),
+        )
+        for i, claimant in enumerate(claimants)
+    )
+    with Ledger(state).transaction() as txn:
+        txn.state = LedgerState(generation=txn.state.generation, leases=leases)
+
+
+def _release(tmp_path: Path, guest: str) -> tuple[subprocess.CompletedProcess[bytes], set[str]]:
+    config = tmp_path / "arbiter.toml"
+    config.write_text(f'state_dir = "{tmp_path / "state"}"\n')
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "charly_arbiter", "hook", "qemu", guest, *END],
+        input=GPU_HOSTDEV_XML,
+        capture_output=True,
+        cwd=REPO,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "PYTHONPATH": str(REPO),
+            "CHARLY_ARBITER_CONFIG": str(config),
+            "CHARLY_ARBITER_SERVE": "off",
+        },
+        timeout=60,
+    )
+    modules = {
+        line.rsplit("|", 1)[1].strip()
+        for line in result.stderr.decode().splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+    assert (result.returncode, result.stdout) == (0, b""), result.stderr
+    assert "charly_arbiter.libvirt.hook" in modules, "no import was measured"
+    return result, modules
+
+
+def test_a_release_the_ledger_does_not_name_is_let_go_without_the_slow_path(
+    tmp_path: Path,
+) -> None:
+    """A domain with a GPU hostdev stops, and the ledger names nothing of it (its start
+    was refused): the hook exits 0 having read the ledger's bytes only.  The same
+    release of a domain the ledger does name, as a claimant or as a holder a lease
+    stopped, goes the slow way; and so does one whose name the ledger would escape."""
+    _ledger_naming(tmp_path / "state", "libvirt:other", "container:win11")
+    _, modules = _release(tmp_path, "win11")
+    assert "charly_arbiter.libvirt.hookrun" not in modules
+    assert "charly_arbiter.core.ledger" not in modules
+    for ledger, guest in (
+        (("libvirt:win11",), "win11"),
+        (("libvirt:other",), 'we"ird'),
+    ):
+        _ledger_naming(tmp_path / "state", *ledger)
+        _, modules = _release(tmp_path, guest)
+        assert "charly_arbiter.libvirt.hookrun" in modules, (ledger, guest)
+    _ledger_naming(tmp_path / "state", "libvirt:other", holder="libvirt:win11")
+    _, modules = _release(tmp_path, "win11")
+    assert "charly_arbiter.libvirt.hookrun" in modules
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["win11", "a b", "it's", "ü-vm", "x#y=z", "$(id)", "[t]", "a'b\"c", "back\\slash"],
+)
+def test_the_ledgers_bytes_name_every_claimant_and_holder_it_holds(
+    tmp_path: Path, name: str
+) -> None:
+    """ledger_may_name against the ledger's own writer: never False for a claimant or
+    a stopped holder the ledger holds, whatever the name (a name it escapes is always
+    "may"); False for one it does not hold only when the name is plain."""
+    from charly_arbiter.hookio import ledger_may_name
+
+    state = tmp_path / "state"
+    claimant = f"libvirt:{name}"
+    _ledger_naming(state, claimant)
+    assert ledger_may_name(claimant, str(state).encode())
+    _ledger_naming(state, "container:c", holder=claimant)
+    assert ledger_may_name(claimant, str(state).encode())
+    _ledger_naming(state, "container:c")
+    plain = '"' not in name and "\\" not in name
+    assert ledger_may_name(claimant, str(state).encode()) is not plain
+
+
+def test_what_the_release_fast_path_cannot_read_for_certain_goes_the_slow_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from charly_arbiter.hookio import (
+        Unsure,
+        configured_ledger_may_name,
+        ledger_may_name,
+        state_dir,
+    )
+
+    monkeypatch.delenv("CHARLY_ARBITER_HOST", raising=False)
+    monkeypatch.delenv("CHARLY_ARBITER_STATE_DIR", raising=False)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "dir" / "ledger.toml").mkdir()  # not readable as a file
+    assert ledger_may_name("libvirt:x", str(tmp_path / "dir").encode())
+    assert not ledger_may_name("libvirt:x", str(tmp_path / "none").encode())  # no ledger yet
+    assert ledger_may_name("libvirt:x\x07", str(tmp_path / "none").encode())  # escaped
+    assert state_dir(b"", simulated=False) == b"/var/lib/charly-arbiter"
+    for settings, simulated in ((b"", True), (b'state_dir = "relative"\n', False)):
+        with pytest.raises(Unsure):
+            state_dir(settings, simulated=simulated)
+    monkeypatch.setenv("CHARLY_ARBITER_STATE_DIR", str(tmp_path / "none"))
+    assert state_dir(b"", simulated=True) == str(tmp_path / "none").encode()
+    assert not configured_ledger_may_name("libvirt:x")
+    # A simulated host named by the environment keeps its ledger in DIR/state: unsure.
+    monkeypatch.delenv("CHARLY_ARBITER_STATE_DIR")
+    monkeypatch.setenv("CHARLY_ARBITER_HOST", f"sim:{tmp_path}")
+    assert configured_ledger_may_name("libvirt:x")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from charly_arbiter.proxmox.hook import CLAIM_MARKERS, may_claim, setting
+from charly_arbiter.hookio import setting
+from charly_arbiter.proxmox.hook import CLAIM_MARKERS, may_claim
 
 REPO = Path(__file__).resolve().parents[2]
 LIGHT_FORBIDDEN = (
@@ -148,7 +149,7 @@ def test_settings_read_without_a_toml_parser(toml: bytes, value: bytes | None) -
     ],
 )
 def test_settings_it_cannot_read_for_certain_go_to_the_slow_path(toml: bytes) -> None:
-    from charly_arbiter.proxmox.hook import _Unsure
+    from charly_arbiter.hookio import Unsure
 
-    with pytest.raises(_Unsure):
+    with pytest.raises(Unsure):
         setting(toml, b"config_dir")

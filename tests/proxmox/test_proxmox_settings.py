@@ -9,7 +9,8 @@ import pytest
 
 from charly_arbiter.core.config import Config, ProxmoxConfig, load_config
 from charly_arbiter.errors import ConfigError
-from charly_arbiter.proxmox.hook import DEFAULT_PVE, DEFAULT_STATE
+from charly_arbiter.hookio import DEFAULT_STATE
+from charly_arbiter.proxmox.hook import DEFAULT_PVE
 
 
 def load(tmp_path: Path, text: str) -> ProxmoxConfig:
