@@ -123,6 +123,12 @@ class Host:
         write_launcher(launcher, PYTHON, str(self.repo))
         return launcher
 
+    def cli(self, *args: str) -> str:
+        done = subprocess.run(self.argv(*args), env=self.env, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"charly-arbiter {' '.join(args)}: {done.returncode}\n{done.stderr}")
+        return done.stdout
+
 
 class Helper:
     """`charly-arbiter serve` on a socket of this run, until `stop`."""
@@ -138,7 +144,12 @@ class Helper:
         )
         environ = {**host.env, **dict(e.split("=", 1) for e in self.environ())}
         wait(
-            lambda: subprocess.run([str(program), "--version"], env=environ).returncode == 0,
+            lambda: (
+                subprocess.run(
+                    [str(program), "--version"], env=environ, capture_output=True
+                ).returncode
+                == 0
+            ),
             60,
             "the resident helper",
         )
@@ -153,12 +164,6 @@ class Helper:
     def stop(self) -> None:
         self.process.terminate()
         self.process.wait(timeout=30)
-
-    def cli(self, *args: str) -> str:
-        done = subprocess.run(self.argv(*args), env=self.env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SystemExit(f"charly-arbiter {' '.join(args)}: {done.returncode}\n{done.stderr}")
-        return done.stdout
 
 
 def wait(condition: Callable[[], Any], timeout: float, what: str) -> Any:
