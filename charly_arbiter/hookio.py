@@ -186,8 +186,9 @@ def ledger_may_name(claimant: str, state: bytes) -> bool:
     """Whether the ledger in `state` may name `claimant` (as a lease's, or as a
     holder a lease stopped); False only when sure that it does not: the name is
     plain (printable, with no quote or backslash: the ledger writes it as it is,
-    core/ledger_format._string) and its quoted form is nowhere in the ledger's bytes.  Read without the lock,
-    like the slow path's first look: the ledger is only ever replaced whole."""
+    core/ledger_format._string) and its quoted form is nowhere in the ledger's
+    bytes.  Read without the lock, like the slow path's first look: the ledger is
+    only ever replaced whole."""
     plain = claimant.isprintable() and '"' not in claimant and "\\" not in claimant
     if not plain:
         return True
