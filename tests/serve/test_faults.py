@@ -322,7 +322,7 @@ def test_the_detached_release_outlives_the_server(sim: SimEnv, server: Served):
         ran = cli(["hook", "qemu", "win11", "release", "end", "-"], server.env(sim), xml)
         fcntl.flock(lock, fcntl.LOCK_EX)  # before the detached process has started Python
         assert ran.code == 0 and any(": ran hook qemu" in line for line in server.ran())
-        finishers = [pid for pid, _, _ in processes() if _is_finisher(pid)]
+        finishers = [pid for pid, _, _ in processes() if _is_finisher(pid, sim)]
         assert len(finishers) == 1, "the release was handed to a detached process"
         os.killpg(server.pid, signal.SIGKILL)
         server.process.wait()
@@ -339,8 +339,11 @@ def test_the_detached_release_outlives_the_server(sim: SimEnv, server: Served):
     check_invariants(sim)
 
 
-def _is_finisher(pid: int) -> bool:
+def _is_finisher(pid: int, sim: SimEnv) -> bool:
+    """A detached release of this test's simulated host (its hand-off names the host's
+    configuration): the suite's other lanes, run beside it, start their own."""
     try:
-        return b"finish-release" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
+    return b"finish-release" in argv and str(sim.config_path).encode() in argv
