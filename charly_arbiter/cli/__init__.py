@@ -54,19 +54,22 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> NoReturn:
     args = sys.argv[1:] if argv is None else argv
-    from charly_arbiter.hookio import python_with_site
-
-    if args[:1] == ["serve"]:
-        python_with_site()
-        from charly_arbiter.serve.server import main as serve_main
-
-        sys.exit(serve_main(args[1:], run=main))
-    if argv is None and args[:1] != ["hook"]:
+    if argv is None and args[:1] not in (["hook"], ["serve"]):
         from charly_arbiter.serve.client import run_program
 
         code = run_program(args)
         if code is not None:
             sys.exit(code)
+    if args[:1] != ["hook"] or args[1:2] == ["oci-inject"]:
+        # What runs here needs the installed libraries; the hooks set `site` up
+        # themselves, on their slow paths only.
+        from charly_arbiter.hookio import python_with_site
+
+        python_with_site()
+    if args[:1] == ["serve"]:
+        from charly_arbiter.serve.server import main as serve_main
+
+        sys.exit(serve_main(args[1:], run=main))
     if args[:2] == ["hook", "oci"]:
         from charly_arbiter.oci.hook import main as oci_main
 
@@ -76,12 +79,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
         sys.exit(proxmox_main(args[2:]))
     if args[:2] == ["hook", "oci-inject"]:
-        python_with_site()
         from charly_arbiter.oci.inject import main as inject_main
 
         sys.exit(inject_main(args[2:]))
     if args[:1] and args[0].startswith("_"):
-        python_with_site()
         from charly_arbiter.cli.detached import main as detached_main
 
         sys.exit(detached_main(args))
@@ -89,7 +90,6 @@ def main(argv: list[str] | None = None) -> NoReturn:
         from charly_arbiter.libvirt.hook import main as hook_main
 
         sys.exit(hook_main(args[1:]))
-    python_with_site()
     from charly_arbiter.cli.app import build
 
     build(COMMANDS)(args=args, prog_name="charly-arbiter")

@@ -15,21 +15,27 @@ HEAVY = ("libvirt", "pyudev", "pynvml", "click", "tomlkit", "portalocker")
 
 
 def imported_modules(
-    *args: str, stdin: bytes
+    *args: str, stdin: bytes, env: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[bytes], set[str]]:
+    """`charly-arbiter hook ARGS` with -X importtime, and what it imported."""
     result = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "charly_arbiter", "hook", *args],
         input=stdin,
         capture_output=True,
         cwd=REPO,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), **(env or {})},
         timeout=60,
     )
-    modules = set()
-    for line in result.stderr.decode().splitlines():
-        if line.startswith("import time:") and "|" in line:
-            modules.add(line.rsplit("|", 1)[1].strip())
-    return result, modules
+    return result, modules_in(result.stderr)
+
+
+def modules_in(importtime: bytes) -> set[str]:
+    """The modules -X importtime's lines on stderr name."""
+    return {
+        line.rsplit("|", 1)[1].strip()
+        for line in importtime.decode().splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
 
 
 @pytest.mark.parametrize(
@@ -254,11 +260,7 @@ def test_a_nic_hostdev_is_let_go_without_the_configuration_the_ledger_or_typing(
         },
         timeout=60,
     )
-    modules = {
-        line.rsplit("|", 1)[1].strip()
-        for line in result.stderr.decode().splitlines()
-        if line.startswith("import time:") and "|" in line
-    }
+    modules = modules_in(result.stderr)
     assert (result.returncode, result.stdout) == (0, b""), result.stderr
     assert "charly_arbiter.libvirt.hook" in modules
     assert not {
@@ -330,24 +332,8 @@ def _ledger_naming(state: Path, *claimants: str, holder: str | None = None) -> N
 def _release(tmp_path: Path, guest: str) -> tuple[subprocess.CompletedProcess[bytes], set[str]]:
     config = tmp_path / "arbiter.toml"
     config.write_text(f'state_dir = "{tmp_path / "state"}"\n')
-    result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "charly_arbiter", "hook", "qemu", guest, *END],
-        input=GPU_HOSTDEV_XML,
-        capture_output=True,
-        cwd=REPO,
-        env={
-            "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(REPO),
-            "CHARLY_ARBITER_CONFIG": str(config),
-            "CHARLY_ARBITER_SERVE": "off",
-        },
-        timeout=60,
-    )
-    modules = {
-        line.rsplit("|", 1)[1].strip()
-        for line in result.stderr.decode().splitlines()
-        if line.startswith("import time:") and "|" in line
-    }
+    env = {"CHARLY_ARBITER_CONFIG": str(config), "CHARLY_ARBITER_SERVE": "off"}
+    result, modules = imported_modules("qemu", guest, *END, stdin=GPU_HOSTDEV_XML, env=env)
     assert (result.returncode, result.stdout) == (0, b""), result.stderr
     assert "charly_arbiter.libvirt.hook" in modules, "no import was measured"
     return result, modules

@@ -107,30 +107,28 @@ def test_the_libvirt_hook_sets_site_up_only_for_its_slow_path(
     )
     # (on the simulated host every hostdev goes the slow way: its PCI is its own files)
     real_host = {**env, "CHARLY_ARBITER_CONFIG": str(tmp_path / "no-configuration.toml")}
-    fast = subprocess.run(
-        [str(program), "hook", "qemu", "usb", "prepare", "begin", "-"],
-        input=usb_only,
-        env=real_host,
-        capture_output=True,
-        timeout=60,
-    )
-    assert fast.returncode == 0 and fast.stdout == b"", fast.stderr
+    _prepare(program, "usb", usb_only, real_host)
     assert _ran_site(marks) == 0  # the fast path: the standard library only
     claim = (
         b"<domain type='kvm'><name>vm</name><metadata>"
         b"<ca:claim xmlns:ca='https://charly-arbiter.org/xmlns/claim/1' mode='shared'>"
         b"<ca:token>gpu1</ca:token></ca:claim></metadata></domain>"
     )
-    slow = subprocess.run(
-        [str(program), "hook", "qemu", "vm", "prepare", "begin", "-"],
-        input=claim,
+    _prepare(program, "vm", claim, env)
+    assert _ran_site(marks) == 1
+    assert [lease["claimant"] for lease in sim.status()["leases"]] == ["libvirt:vm"]
+
+
+def _prepare(program: Path, guest: str, xml: bytes, env: dict[str, str]) -> None:
+    """libvirt's `prepare begin` through the program, which lets the domain start."""
+    done = subprocess.run(
+        [str(program), "hook", "qemu", guest, "prepare", "begin", "-"],
+        input=xml,
         env=env,
         capture_output=True,
         timeout=60,
     )
-    assert slow.returncode == 0 and slow.stdout == b"", slow.stderr
-    assert _ran_site(marks) == 1
-    assert [lease["claimant"] for lease in sim.status()["leases"]] == ["libvirt:vm"]
+    assert done.returncode == 0 and done.stdout == b"", done.stderr
 
 
 def test_a_launcher_whose_directory_is_wrong_finds_the_package_through_site(
