@@ -92,6 +92,7 @@ log = logging.getLogger(__name__)
 
 BRIDGE_CLASS = "0604"
 STATE_LOCK_WAIT = 60.0
+LOG = "log.jsonl"  # the simulation's effects, a JSON string a line, in order
 HANG_POLL = 0.05  # how often a blocked teardown looks whether its fault was lifted
 
 
@@ -142,19 +143,40 @@ class SimHost:
     @contextlib.contextmanager
     def _state(self) -> Iterator[dict[str, Any]]:
         """The mutable state, locked; written back atomically when the block ends (not
-        durably: a simulation's state need not survive a power cut)."""
+        durably: a simulation's state need not survive a power cut).
+
+        `state["log"]` holds what the block adds to the log: lines appended to
+        `DIR/log.jsonl` when it ends.  The log only grows, so it is kept out of
+        state.json, which every call reads whole (a long run's log made each call
+        re-read thousands of lines)."""
         with open(self.directory / "state.lock", "a+") as lock:
             if not files.lock_within(lock, STATE_LOCK_WAIT):
                 raise HostError(f"{self.directory / 'state.lock'} stayed locked")
             path = self.directory / "state.json"
-            state = json.loads(path.read_text()) if path.exists() else self._fresh_state()
-            before = json.dumps(state, sort_keys=True) if path.exists() else ""
+            text = path.read_text() if path.exists() else ""
+            state = json.loads(text) if text else self._fresh_state()
+            before = json.loads(text) if text else None
+            # A state.json of an earlier version kept its log inside: moved out here.
+            added: list[str] = list(before.pop("log", [])) if before is not None else []
+            state["log"] = []
             yield state
-            if json.dumps(state, sort_keys=True) != before:
-                text = json.dumps(state, indent=1, sort_keys=True).encode()
+            added += state.pop("log")
+            if state != before:
+                data = json.dumps(state, indent=1, sort_keys=True).encode()
                 temp = path.with_suffix(".tmp")  # under the lock: a fixed name is safe
                 temp.unlink(missing_ok=True)
-                files.replace_file(path, text, temp=temp, durable=False)
+                files.replace_file(path, data, temp=temp, durable=False)
+            if added:
+                with open(self.directory / LOG, "a", encoding="utf-8") as log_file:
+                    log_file.write("".join(json.dumps(line) + "\n" for line in added))
+
+    def log(self) -> list[str]:
+        """Every effect the simulation carried out, in order (`DIR/log.jsonl`)."""
+        try:
+            with open(self.directory / LOG, encoding="utf-8") as log_file:
+                return [json.loads(line) for line in log_file]
+        except FileNotFoundError:
+            return []
 
     def _fresh_state(self) -> dict[str, Any]:
         return {
@@ -179,8 +201,10 @@ class SimHost:
         }
 
     def snapshot(self) -> dict[str, Any]:
+        """state.json's state, and the whole log under `log`."""
         with self._state() as state:
             copy: dict[str, Any] = json.loads(json.dumps(state))
+            copy["log"] = self.log()
             return copy
 
     # -- Host interface ------------------------------------------------------------
@@ -946,7 +970,7 @@ class SimHost:
             for ref in state["running"]:
                 fresh["running"].setdefault(ref, False)
             fresh["cdi_generations"] = state["cdi_generations"]
-            fresh["log"] = [*state["log"], "reboot"]
+            fresh["log"] = [*state["log"], "reboot"]  # what this block adds
             for vf in state.get("vfs", {}).values():  # VFs do not survive a reboot
                 self._vf_node(vf["iommu_group"]).unlink(missing_ok=True)
             state.clear()

@@ -34,6 +34,8 @@ from handoffs import detached_pids, wait_for_handoffs
 from machine import INSTALLED, REPO, HookedService, Unavailable, flocked, restored, run
 from simhosts import audio, gpu, host
 
+from charly_arbiter.host.sim import SimHost
+
 LOCK = Path("/tmp/charly-libvirt.lock")
 ETC_LIBVIRT = Path("/etc/libvirt")
 HOOK_DIR = ETC_LIBVIRT / "hooks" / "qemu.d"
@@ -126,8 +128,12 @@ class Libvirt(HookedService):
         return lines
 
     def sim_state(self) -> dict[str, Any]:
+        """state.json, with the simulation's whole log under `log` (SimHost.snapshot
+        without making a state that is not there yet)."""
         path = self.sim_dir / "state.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        if not path.exists():
+            return {}
+        return {**json.loads(path.read_text()), "log": SimHost(self.sim_dir).log()}
 
     def set_preemption(self, policy: str, extra: str = "") -> None:
         """Write the configuration the hook reads; `extra` is appended (e.g. [[holders]])."""
@@ -240,7 +246,7 @@ class Libvirt(HookedService):
         wait_for_handoffs(self.state_dir)  # before wiping the state they work on
         shutil.rmtree(self.state_dir, ignore_errors=True)
         self.state_dir.mkdir(mode=0o700)
-        for name in ("state.json", "state.lock"):
+        for name in ("state.json", "state.lock", "log.jsonl"):
             (self.sim_dir / name).unlink(missing_ok=True)
         self.set_preemption("stop")
 

@@ -204,7 +204,7 @@ class Podman(HookedService):
         self.settle()
         shutil.rmtree(self.state_dir, ignore_errors=True)
         self.state_dir.mkdir(mode=0o700)
-        for name in ("state.json", "state.lock"):
+        for name in ("state.json", "state.lock", "log.jsonl"):
             (self.sim_dir / name).unlink(missing_ok=True)
         self.hook_log.unlink(missing_ok=True)
         self.configure()

@@ -14,6 +14,7 @@ def snapshot(sim) -> dict[str, bytes]:
     files = [
         sim.state_dir / "ledger.toml",
         sim.sim_dir / "state.json",
+        sim.sim_dir / "log.jsonl",
         sim.state_dir / "history.jsonl",
     ]
     return {path.name: path.read_bytes() for path in files if path.exists()}
