@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 
+from charly_arbiter.core import ledger as ledger_module
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import Lease, LeaseState, Mode
 from charly_arbiter.errors import LedgerCorrupt, LedgerWriteFailed
@@ -44,15 +45,28 @@ def test_every_write_is_a_new_checksummed_generation_with_the_previous_as_backup
         pass  # nothing changed: nothing written
     assert ledger.read().generation == 2
     assert stat.S_IMODE(os.stat(ledger.state_dir).st_mode) == 0o700
-    cache = ledger.state_dir / "ledger.cache.json"
-    for path in (ledger.path, ledger.backup, ledger.lock_path, cache):
+    for path in (ledger.path, ledger.backup, ledger.lock_path):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    # A ledger this small has no JSON copy (CACHE_FROM).
     assert sorted(p.name for p in ledger.state_dir.iterdir()) == [
-        "ledger.cache.json",
         "ledger.lock",
         "ledger.toml",
         "ledger.toml.bak",
     ]
+
+
+def test_the_lock_file_names_the_last_taker_over_a_longer_note(tmp_path):
+    """The pid is written over the note before it, never truncated first: it must
+    still read as this pid after a longer one."""
+    ledger = Ledger(tmp_path / "state")
+    with ledger.transaction() as txn:
+        txn.state = txn.state.with_lease(lease("container:a"))
+    ledger.lock_path.write_bytes(ledger_module._pid_note(4194304))
+    with ledger.transaction() as txn:
+        txn.state = txn.state.with_lease(lease("container:b"))
+    assert ledger.lock_path.read_text().split() == [str(os.getpid())]
+    with open(ledger.lock_path) as handle:  # not locked: the note is the answer
+        assert ledger_module._lock_holder(handle) == os.getpid()
 
 
 def test_the_lock_file_is_never_replaced(tmp_path):
@@ -219,6 +233,11 @@ def test_every_state_reads_back_as_it_was_written(state):
 # -- the JSON copy beside the ledger: used only for the bytes it was made from -------
 
 
+@pytest.fixture
+def every_ledger_cached(monkeypatch):
+    monkeypatch.setattr(ledger_module, "CACHE_FROM", 0)
+
+
 def two_generations(tmp_path):
     ledger = Ledger(tmp_path / "state")
     with ledger.transaction() as txn:
@@ -229,7 +248,7 @@ def two_generations(tmp_path):
     return ledger, old_cache
 
 
-def test_the_json_copy_is_what_a_reader_uses_for_its_ledger(tmp_path):
+def test_the_json_copy_is_what_a_reader_uses_for_its_ledger(tmp_path, every_ledger_cached):
     ledger, _ = two_generations(tmp_path)
     cache = ledger.state_dir / "ledger.cache.json"
     digest = ledger_format.checksum_of(ledger.path.read_bytes())
@@ -239,7 +258,7 @@ def test_the_json_copy_is_what_a_reader_uses_for_its_ledger(tmp_path):
     assert Ledger(ledger.state_dir).read() == marked
 
 
-def test_a_stale_or_damaged_json_copy_is_not_used(tmp_path):
+def test_a_stale_or_damaged_json_copy_is_not_used(tmp_path, every_ledger_cached):
     ledger, old_cache = two_generations(tmp_path)
     cache = ledger.state_dir / "ledger.cache.json"
     truth = [lease.claimant for lease in Ledger(ledger.state_dir).read().leases]
@@ -254,13 +273,61 @@ def test_a_stale_or_damaged_json_copy_is_not_used(tmp_path):
     assert [x.claimant for x in Ledger(ledger.state_dir).read().leases] == truth
 
 
-def test_a_json_copy_never_hides_a_corrupt_ledger(tmp_path):
+def test_a_json_copy_never_hides_a_corrupt_ledger(tmp_path, every_ledger_cached):
     ledger, _ = two_generations(tmp_path)
     data = bytearray(ledger.path.read_bytes())
     data[len(data) // 2] ^= 1
     ledger.path.write_bytes(bytes(data))
     with pytest.raises(LedgerCorrupt):
         Ledger(ledger.state_dir).read()
+
+
+def test_only_a_large_ledger_has_a_json_copy_and_a_stale_one_goes_with_its_size(tmp_path):
+    """Below CACHE_FROM bytes the TOML is parsed (cheaper than writing a copy at every
+    write); from it on, the copy is written and used; back below it, the copy is
+    removed, not left to be read and refused at every read."""
+    ledger = Ledger(tmp_path / "state")
+    cache = ledger.state_dir / "ledger.cache.json"
+    many = tuple(lease(f"container:c{index}") for index in range(40))
+    with ledger.transaction() as txn:
+        txn.state = replace(txn.state, leases=many[:1])
+    assert len(ledger.path.read_bytes()) < ledger_module.CACHE_FROM and not cache.exists()
+    with ledger.transaction() as txn:
+        txn.state = replace(txn.state, leases=many)
+    assert len(ledger.path.read_bytes()) >= ledger_module.CACHE_FROM
+    digest = ledger_format.checksum_of(ledger.path.read_bytes())
+    assert cache.read_bytes() == ledger_format.encode_cache(ledger.read(), digest)
+    marked = LedgerState(generation=99, leases=(lease("container:from-the-copy"),))
+    cache.write_bytes(ledger_format.encode_cache(marked, digest))
+    assert Ledger(ledger.state_dir).read() == marked  # a large ledger is read from it
+    with ledger.transaction() as txn:
+        txn.state = replace(txn.state, leases=many[:2])
+    assert not cache.exists()
+    assert [x.claimant for x in Ledger(ledger.state_dir).read().leases] == [
+        "container:c0",
+        "container:c1",
+    ]
+
+
+def test_a_ledger_read_ahead_is_not_decoded_again_until_its_bytes_change(tmp_path, monkeypatch):
+    """What a spare of the resident helper does while it waits: a later reader (a new
+    Ledger, as a command opens it) reads the bytes and skips only their decoding."""
+    writer = Ledger(tmp_path / "state")
+    with writer.transaction() as txn:
+        txn.state = txn.state.with_lease(lease("container:a"))
+    assert Ledger(writer.state_dir).read_ahead() == 1
+    decoded: list[int] = []
+    real_decode = ledger_format.decode
+    monkeypatch.setattr(ledger_format, "decode", lambda *a: decoded.append(1) or real_decode(*a))
+    assert [x.claimant for x in Ledger(writer.state_dir).read().leases] == ["container:a"]
+    assert decoded == []
+    with Ledger(writer.state_dir).transaction() as txn:
+        txn.state = txn.state.with_lease(lease("container:b"))
+    decoded.clear()
+    after = Ledger(writer.state_dir).read()
+    assert [x.claimant for x in after.leases] == ["container:a", "container:b"]
+    assert decoded == [1]
+    assert Ledger(tmp_path / "nothing").read_ahead() == 0  # no ledger yet: nothing to do
 
 
 # -- a lease's sleep locks: optional keys, so that a ledger from before them reads -------
