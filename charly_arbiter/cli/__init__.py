@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     if args[:1] == ["serve"]:
         from charly_arbiter.serve.server import main as serve_main
 
-        sys.exit(serve_main(args[1:], run=main))
+        sys.exit(serve_main(args[1:], run=main, ahead=_read_ahead))
     if args[:2] == ["hook", "oci"]:
         from charly_arbiter.oci.hook import main as oci_main
 
@@ -97,3 +97,14 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
 
 __all__ = ["COMMANDS", "main"]
+
+
+def _read_ahead() -> str:
+    """What a spare of the resident helper does while it waits: decode the ledger of
+    the configuration a command without options reads (Ledger.read_ahead), so that
+    `status` of a large ledger does not decode it again while nothing changed."""
+    from charly_arbiter.compose import open_ledger
+    from charly_arbiter.core.config import load_config
+
+    ledger = open_ledger(load_config())
+    return f"read {ledger.path} ahead: {ledger.read_ahead()} leases"

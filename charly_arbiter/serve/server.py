@@ -12,7 +12,10 @@ killed is that one client's failure only.  A spare that has taken nothing dies
 with the server (PR_SET_PDEATHSIG); one that has taken a request lives on.
 
 It reads no configuration and builds nothing at start but imported code: every
-command reads its configuration, host and ledger afresh in its own child.  When
+command reads its configuration, host and ledger afresh in its own child.  A
+spare, while it waits, decodes the ledger that a command without options reads
+(the program's `ahead`): the command still reads the file, and skips only the
+decoding of the very same bytes (core/ledger.py, `read_ahead`).  When
 the files its code was loaded from change (an upgrade), it starts itself anew
 (exec, keeping the socket) within a second.  SIGTERM,
 SIGINT or SIGHUP stop it (exit 0); the commands it started finish on their own,
@@ -38,10 +41,11 @@ from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import NoReturn
 
-from charly_arbiter.serve import child
+from charly_arbiter.serve import child, prefault
 from charly_arbiter.serve.client import ENV_SOCKET, SOCKET
 
 Run = Callable[[list[str]], object]
+Ahead = Callable[[], str]  # what it did, for the log
 
 PROGRAM = "charly-arbiter serve"
 # sd_listen_fds(3): the first socket systemd passes.
@@ -100,9 +104,10 @@ class Stopping:
         os.close(self._write)
 
 
-def main(argv: list[str], run: Run) -> int:
+def main(argv: list[str], run: Run, ahead: Ahead | None = None) -> int:
     """`charly-arbiter serve [--socket PATH] [--idle-exit SECONDS] [-v]`; `run` is the
-    program's main, which each child runs for its request."""
+    program's main, which each child runs for its request; `ahead`, what a spare does
+    for the next request while it waits (the CLI's: decode the ledger ahead)."""
     parser = argparse.ArgumentParser(
         prog=PROGRAM,
         description="The resident helper: run each command in a fork of this process.",
@@ -132,7 +137,7 @@ def main(argv: list[str], run: Run) -> int:
         return 1
     log(f"listening on {listener.getsockname() or path} ({preloaded} modules imported)")
     try:
-        _loop(listener, run, options.verbose > 0, options.idle_exit, log, owned)
+        _loop(listener, run, ahead, options.verbose > 0, options.idle_exit, log, owned)
     finally:
         listener.close()
         if owned:
@@ -313,6 +318,7 @@ def _again(listener: socket.socket, owned: str | None) -> NoReturn:
 def _loop(
     listener: socket.socket,
     run: Run,
+    ahead: Ahead | None,
     verbose: bool,
     idle_exit: float | None,
     log: Callable[[str], None],
@@ -332,7 +338,7 @@ def _loop(
     try:
         while True:
             while len(spares) < SPARES and stopping.signal is None:
-                forked = _spare(listener, stopping, run, verbose, log)
+                forked = _spare(listener, stopping, run, ahead, verbose, log)
                 if forked is None:
                     break  # out of processes: the clients run in-process meanwhile
                 spares[forked[0]] = forked[1]
@@ -375,6 +381,7 @@ def _spare(
     listener: socket.socket,
     stopping: Stopping,
     run: Run,
+    ahead: Ahead | None,
     verbose: bool,
     log: Callable[[str], None],
 ) -> tuple[int, int] | None:
@@ -394,7 +401,7 @@ def _spare(
         try:
             os.close(took)
             stopping.close()
-            _take(listener, tell, server, run, verbose, log)
+            _take(listener, tell, server, run, ahead, verbose, log)
         finally:
             os._exit(1)
     os.close(tell)
@@ -406,14 +413,23 @@ def _take(
     tell: int,
     server: int,
     run: Run,
+    ahead: Ahead | None,
     verbose: bool,
     log: Callable[[str], None],
 ) -> NoReturn:
-    """A spare's life: dies with the server while it waits (PR_SET_PDEATHSIG), takes
-    one connection, tells the server, and becomes that request's process."""
+    """A spare's life: dies with the server while it waits (PR_SET_PDEATHSIG), makes
+    the server's memory its own (prefault.py) and does `ahead` at idle priority,
+    unless a connection waits already; takes one connection, tells the server, and
+    becomes that request's process."""
     _die_with_parent(signal.SIGKILL)
     if os.getppid() != server:
         os._exit(0)  # the server died while this was being forked
+    with prefault.idle_priority():
+        with contextlib.suppress(OSError):
+            prefault.prefault(listener)  # the copies a fork owes, before a request waits
+        if ahead is not None and not prefault.waiting(listener):
+            with contextlib.suppress(Exception):  # the command meets it again, and says it
+                log(f"spare {os.getpid()}: {ahead()}")
     while True:
         try:
             conn, _ = listener.accept()
