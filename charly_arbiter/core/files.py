@@ -88,7 +88,7 @@ def open_checked(path: Path, flags: int, mode: int = 0o600, *, single_link: bool
     return fd
 
 
-def lock_within(handle: IO[str], timeout: float) -> bool:
+def lock_within(handle: IO[str] | int, timeout: float) -> bool:
     """Take an exclusive flock on an open lock file, polling until `timeout`;
     False when it stayed busy.
 
@@ -98,9 +98,10 @@ def lock_within(handle: IO[str], timeout: float) -> bool:
     than starting the interpreter, on every claim).
     """
     deadline = time.monotonic() + timeout
+    fd = handle if isinstance(handle, int) else handle.fileno()
     while True:
         try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
         except BlockingIOError:
             if time.monotonic() >= deadline:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -112,6 +113,7 @@ class SimHost:
         self.dev_root = self.roots.dev
         self._parsed: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
         self._processes: ProcessHolders | None = None
+        self._lock: tuple[int, int] | None = None  # (the process that opened it, its fd)
         if not (directory / "host.toml").is_file():
             raise HostError(
                 f"the simulated host {directory} has no host.toml",
@@ -149,11 +151,12 @@ class SimHost:
         `DIR/log.jsonl` when it ends.  The log only grows, so it is kept out of
         state.json, which every call reads whole (a long run's log made each call
         re-read thousands of lines)."""
-        with open(self.directory / "state.lock", "a+") as lock:
-            if not files.lock_within(lock, STATE_LOCK_WAIT):
-                raise HostError(f"{self.directory / 'state.lock'} stayed locked")
+        lock = self._lock_fd()
+        if not files.lock_within(lock, STATE_LOCK_WAIT):
+            raise HostError(f"{self.directory / 'state.lock'} stayed locked")
+        try:
             path = self.directory / "state.json"
-            text = path.read_text() if path.exists() else ""
+            text = _read_if_there(path)
             state = json.loads(text) if text else self._fresh_state()
             before = json.loads(text) if text else None
             # A state.json of an earlier version kept its log inside: moved out here.
@@ -169,6 +172,17 @@ class SimHost:
             if added:
                 with open(self.directory / LOG, "a", encoding="utf-8") as log_file:
                     log_file.write("".join(json.dumps(line) + "\n" for line in added))
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _lock_fd(self) -> int:
+        """state.lock, opened once per process: a command asks the simulation dozens of
+        times.  A fork opens its own (an flock belongs to the open file, which a fork
+        would share with its parent)."""
+        if self._lock is None or self._lock[0] != os.getpid():
+            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+            self._lock = (os.getpid(), os.open(self.directory / "state.lock", flags, 0o644))
+        return self._lock[1]
 
     def log(self) -> list[str]:
         """Every effect the simulation carried out, in order (`DIR/log.jsonl`)."""
@@ -758,7 +772,9 @@ class SimHost:
             state["log"].append(f"cdi {token.name}")
 
     def close(self) -> None:
-        pass
+        if self._lock is not None and self._lock[0] == os.getpid():
+            os.close(self._lock[1])
+        self._lock = None
 
     # -- sleep locks: logind's inhibitors, as the local host holds them --------------------
 
@@ -975,6 +991,22 @@ class SimHost:
                 self._vf_node(vf["iommu_group"]).unlink(missing_ok=True)
             state.clear()
             state.update(fresh)
+
+
+def _read_if_there(path: Path) -> bytes:
+    """The file's bytes, b"" when there is none (without a text layer: this is read at
+    every call into the simulation)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return b""
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _new_boot_id() -> str:
