@@ -23,11 +23,13 @@ import contextlib
 import ctypes
 import errno
 import os
+import resource
 import select
 import socket
 from collections.abc import Callable, Iterator
 
 MADV_POPULATE_WRITE = 23  # <asm-generic/mman-common.h>
+CAP_SYS_NICE = 23  # <linux/capability.h>
 # How much is populated between two looks at the listening socket.
 CHUNK = 2 << 20
 # Mappings that are not the process's data: the stack, and the kernel's pages.
@@ -41,9 +43,10 @@ def idle_priority() -> Iterator[None]:
     """SCHED_IDLE for the block: a spare does its work while a CPU has nothing else to
     do, never at the expense of the request being served (on a small machine the
     spare is forked as that request starts).  Only from SCHED_OTHER or SCHED_BATCH,
-    to which any process may return; the policy is put back when the block ends."""
+    and only where the process may return to it (`_may_return`); the policy is put
+    back when the block ends."""
     policy = os.sched_getscheduler(0)
-    if policy not in (os.SCHED_OTHER, os.SCHED_BATCH):
+    if policy not in (os.SCHED_OTHER, os.SCHED_BATCH) or not _may_return():
         yield
         return
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -51,6 +54,21 @@ def idle_priority() -> Iterator[None]:
         yield
     finally:
         os.sched_setscheduler(0, policy, os.sched_param(0))
+
+
+def _may_return() -> bool:
+    """Whether leaving SCHED_IDLE is allowed: with CAP_SYS_NICE (root's), or an
+    RLIMIT_NICE that allows this nice value (sched(7)); a spare left at idle priority
+    would run its request there."""
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    limit = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    if limit == resource.RLIM_INFINITY or 20 - nice <= limit:
+        return True
+    with open("/proc/self/status", encoding="ascii", errors="replace") as handle:
+        for line in handle:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_SYS_NICE & 1)
+    return False
 
 
 def waiting(listener: socket.socket) -> bool:

@@ -59,6 +59,10 @@ BACKLOG = 128
 SPARES = 2
 # How often an idle server looks whether the files of its code changed.
 TICK = 1.0
+# A spare that took a request is replaced this long after, while another still
+# waits: a fork (and the stat of every source file) competes for the CPU with the
+# request just taken, on a small machine.  With none left, at once.
+REFILL_AFTER = 0.25
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Imported at start beside the package's own modules: what the commands import
@@ -324,8 +328,9 @@ def _loop(
     log: Callable[[str], None],
     owned: str | None,
 ) -> None:
-    """Keep SPARES children waiting in accept; fork another whenever one takes a
-    connection (or dies); every TICK, look whether the code on disk changed."""
+    """Keep SPARES children waiting in accept; fork another when one takes a
+    connection (REFILL_AFTER later, unless none is left) or dies; every TICK, look
+    whether the code on disk changed."""
     code = Code()
     stopping = Stopping()
     child.server_world()  # read once, here: every child compares its client with it
@@ -334,15 +339,20 @@ def _loop(
     gc.collect()
     gc.freeze()
     spares: dict[int, int] = {}  # the read end of a spare's pipe -> its pid
-    last = time.monotonic()
+    last = checked = time.monotonic()
+    refill_at = last  # when the spares are made up again
     try:
         while True:
+            now = time.monotonic()
             while len(spares) < SPARES and stopping.signal is None:
+                if spares and now < refill_at:
+                    break
                 forked = _spare(listener, stopping, run, ahead, verbose, log)
                 if forked is None:
                     break  # out of processes: the clients run in-process meanwhile
                 spares[forked[0]] = forked[1]
-            readable = select.select([stopping.wakeup, *spares], [], [], TICK)[0]
+            wait = TICK if len(spares) == SPARES else max(0.0, min(TICK, refill_at - now))
+            readable = select.select([stopping.wakeup, *spares], [], [], wait)[0]
             if stopping.signal is not None:
                 log(f"stopped by {signal.Signals(stopping.signal).name}")
                 return
@@ -355,12 +365,15 @@ def _loop(
                 pid = spares.pop(fd)
                 if took:
                     last = time.monotonic()
+                    refill_at = last + REFILL_AFTER
                 else:
                     log(f"spare {pid} ended before it took a request")
-            if code.changed():
-                log("the code on disk changed: starting anew")
-                _end(spares)
-                _again(listener, owned)
+            if time.monotonic() - checked >= TICK:
+                checked = time.monotonic()
+                if code.changed():
+                    log("the code on disk changed: starting anew")
+                    _end(spares)
+                    _again(listener, owned)
             if idle_exit is not None and time.monotonic() - last > idle_exit:
                 log(f"no request for {idle_exit:g} s: exiting")
                 return

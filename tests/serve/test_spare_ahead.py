@@ -11,13 +11,15 @@ import json
 import os
 import resource
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from charly_arbiter.serve import prefault
-from tests.conftest import SimEnv
+from tests.conftest import REPO, SimEnv
 from tests.serve.servetools import serving
 
 MIB = 1 << 20
@@ -119,6 +121,29 @@ def test_the_spare_works_at_idle_priority_and_waits_at_its_own():
     with prefault.idle_priority():
         assert os.sched_getscheduler(0) == os.SCHED_IDLE
     assert os.sched_getscheduler(0) == before
+
+
+def test_a_process_that_could_not_leave_idle_priority_never_takes_it():
+    """Without CAP_SYS_NICE and with the default RLIMIT_NICE (0), leaving SCHED_IDLE is
+    refused (sched(7)): such a server's spare works at its own priority instead of
+    serving its request at idle priority (or dying of the refusal)."""
+    script = (
+        "import os, resource, sys; sys.path.insert(0, sys.argv[1]); "
+        "from charly_arbiter.serve import prefault; "
+        "resource.setrlimit(resource.RLIMIT_NICE, (0, 0)); "
+        "os.setgid(65534); os.setuid(65534); "
+        "before = os.sched_getscheduler(0); "
+        "ctx = prefault.idle_priority(); ctx.__enter__(); "
+        "inside = os.sched_getscheduler(0); ctx.__exit__(None, None, None); "
+        "print(before, inside, os.sched_getscheduler(0))"
+    )
+    if os.geteuid() != 0:
+        pytest.skip("needs root to become another user")
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(REPO)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(os.SCHED_OTHER)] * 3
 
 
 @pytest.fixture
