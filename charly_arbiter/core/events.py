@@ -79,7 +79,8 @@ class Events:
         for key, provide in self.context.items():
             if key not in fields and (value := provide()) is not None:
                 fields[key] = value
-        log.info("%s %s", kind, logfmt(fields))
+        if log.isEnabledFor(logging.INFO):  # (logfmt costs more than a claim's decision)
+            log.info("%s %s", kind, logfmt(fields))
         for sink in self.sinks:
             try:
                 sink(kind, fields)

@@ -21,7 +21,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO
 
 from charly_arbiter.core import files, ledger_format
 from charly_arbiter.core.crashpoints import crashpoint
@@ -285,10 +284,9 @@ class Ledger:
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
         fd = files.open_checked(self.lock_path, os.O_RDWR | os.O_CREAT)
-        handle = os.fdopen(fd, "r+")
         try:
-            if not files.lock_within(handle, self.lock_timeout):
-                pid = _lock_holder(handle)
+            if not files.lock_within(fd, self.lock_timeout):
+                pid = _lock_holder(fd)
                 raise LedgerBusy(self.lock_path, self.lock_timeout, pid, _user_of(pid))
             # The pid is advisory (who last took the lock), for the LedgerBusy message;
             # a full filesystem may refuse it, and that is no reason to fail.
@@ -299,7 +297,7 @@ class Ledger:
                 os.pwrite(fd, _pid_note(os.getpid()), 0)
             yield
         finally:
-            handle.close()  # closing the descriptor releases the flock
+            os.close(fd)  # closing the descriptor releases the flock
 
     # -- safety of the state directory ------------------------------------------------
 
@@ -313,11 +311,11 @@ def _pid_note(pid: int) -> bytes:
     return f"{pid:<10}\n".encode()
 
 
-def _lock_holder(handle: IO[str]) -> int | None:
+def _lock_holder(fd: int) -> int | None:
     """The process that holds the lock: the kernel's word (/proc/locks, by the lock
     file's device and inode), else the pid the last taker wrote into the file."""
     try:
-        info = os.fstat(handle.fileno())
+        info = os.fstat(fd)
         wanted = f"{os.major(info.st_dev):02x}:{os.minor(info.st_dev):02x}:{info.st_ino}"
         with open("/proc/locks") as locks:
             for line in locks:
@@ -328,8 +326,7 @@ def _lock_holder(handle: IO[str]) -> int | None:
     except (OSError, ValueError):
         pass
     try:
-        handle.seek(0)
-        text = handle.read(32).strip()
+        text = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip()
         return int(text) if text.isdigit() else None
     except (OSError, ValueError):
         return None

@@ -65,8 +65,11 @@ def test_the_lock_file_names_the_last_taker_over_a_longer_note(tmp_path):
     with ledger.transaction() as txn:
         txn.state = txn.state.with_lease(lease("container:b"))
     assert ledger.lock_path.read_text().split() == [str(os.getpid())]
-    with open(ledger.lock_path) as handle:  # not locked: the note is the answer
-        assert ledger_module._lock_holder(handle) == os.getpid()
+    fd = os.open(ledger.lock_path, os.O_RDONLY)
+    try:  # not locked: the note is the answer
+        assert ledger_module._lock_holder(fd) == os.getpid()
+    finally:
+        os.close(fd)
 
 
 def test_the_lock_file_is_never_replaced(tmp_path):

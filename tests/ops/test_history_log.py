@@ -24,7 +24,7 @@ from pathlib import Path
 from charly_arbiter.ops.history import HistoryLog
 log = HistoryLog(Path(sys.argv[1]), max_bytes=int(sys.argv[2]), keep=int(sys.argv[3]))
 for n in range(int(sys.argv[4])):
-    log.append("claim", {"claimant": f"libvirt:{sys.argv[5]}", "token": "gpu0", "n": n})
+    log.append("switching", {"claimant": f"libvirt:{sys.argv[5]}", "token": "gpu0", "n": n})
 """
 
 
@@ -102,6 +102,26 @@ def test_kill_9_during_an_append_leaves_a_readable_log(tmp_path, step):
     names = [r.get("claimant") for r in reading.records]
     assert names[-3:] == ["libvirt:after"] * 3
     assert not list(directory.glob("history.jsonl.*.tmp"))
+
+
+def test_a_routine_event_is_written_at_once_and_made_durable_by_the_next_other_one(
+    tmp_path, monkeypatch
+):
+    """`switched` records what the ledger holds durably already: written, readable at
+    once, not fsynced; `switching` (an action about to start on the host) is, and
+    with it the line before it (fsync is the file's, not the line's)."""
+    log = HistoryLog(state_dir(tmp_path))
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    log.append("switched", {"claimant": "libvirt:win11", "token": "gpu0"})
+    assert synced == []
+    assert [r.kind for r in log.read().records] == ["switched"]
+    log.append("switching", {"claimant": "libvirt:win11", "token": "gpu0"})
+    assert len(synced) == 1
+    for kind in ("stopping", "starting", "refused", "failed", "poisoned", "recovered"):
+        log.append(kind, {"claimant": "libvirt:win11"})
+    assert len(synced) == 7, "every event but the routine ones is fsynced"
 
 
 def test_a_torn_last_line_is_skipped_with_a_note_and_the_next_event_is_intact(tmp_path):
