@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -113,7 +112,6 @@ class SimHost:
         self.dev_root = self.roots.dev
         self._parsed: tuple[tuple[int, int, int, int], dict[str, Any]] | None = None
         self._processes: ProcessHolders | None = None
-        self._lock: tuple[int, int] | None = None  # (the process that opened it, its fd)
         if not (directory / "host.toml").is_file():
             raise HostError(
                 f"the simulated host {directory} has no host.toml",
@@ -151,10 +149,11 @@ class SimHost:
         `DIR/log.jsonl` when it ends.  The log only grows, so it is kept out of
         state.json, which every call reads whole (a long run's log made each call
         re-read thousands of lines)."""
-        lock = self._lock_fd()
-        if not files.lock_within(lock, STATE_LOCK_WAIT):
-            raise HostError(f"{self.directory / 'state.lock'} stayed locked")
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+        lock = os.open(self.directory / "state.lock", flags, 0o644)
         try:
+            if not files.lock_within(lock, STATE_LOCK_WAIT):
+                raise HostError(f"{self.directory / 'state.lock'} stayed locked")
             path = self.directory / "state.json"
             text = _read_if_there(path)
             state = json.loads(text) if text else self._fresh_state()
@@ -173,16 +172,7 @@ class SimHost:
                 with open(self.directory / LOG, "a", encoding="utf-8") as log_file:
                     log_file.write("".join(json.dumps(line) + "\n" for line in added))
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-    def _lock_fd(self) -> int:
-        """state.lock, opened once per process: a command asks the simulation dozens of
-        times.  A fork opens its own (an flock belongs to the open file, which a fork
-        would share with its parent)."""
-        if self._lock is None or self._lock[0] != os.getpid():
-            flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
-            self._lock = (os.getpid(), os.open(self.directory / "state.lock", flags, 0o644))
-        return self._lock[1]
+            os.close(lock)  # which lets the flock go
 
     def log(self) -> list[str]:
         """Every effect the simulation carried out, in order (`DIR/log.jsonl`)."""
@@ -772,9 +762,7 @@ class SimHost:
             state["log"].append(f"cdi {token.name}")
 
     def close(self) -> None:
-        if self._lock is not None and self._lock[0] == os.getpid():
-            os.close(self._lock[1])
-        self._lock = None
+        pass
 
     # -- sleep locks: logind's inhibitors, as the local host holds them --------------------
 
