@@ -26,7 +26,8 @@ ALL_PREEMPTIBLE = host_toml(dm_preemptible=True)
 
 def bind_by_hand(sim_dir: Path, drivers: Mapping[str, str]) -> None:
     """What an operator does through sysfs by hand: bind functions of the simulated
-    host to drivers (state.json, under the simulation's own lock, written atomically)."""
+    host to drivers (state.json, under the simulation's own lock, written atomically;
+    each bind in its log, log.jsonl)."""
     lock = os.open(sim_dir / "state.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -34,10 +35,12 @@ def bind_by_hand(sim_dir: Path, drivers: Mapping[str, str]) -> None:
         state = json.loads(path.read_text())
         for address, driver in sorted(drivers.items()):
             state["drivers"][address] = driver
-            state["log"].append(f"bind {address} {driver} (by hand)")
         temp = sim_dir / "state.json.by-hand"
         temp.write_text(json.dumps(state, indent=1, sort_keys=True))
         os.replace(temp, path)
+        with open(sim_dir / "log.jsonl", "a", encoding="utf-8") as log:
+            for address, driver in sorted(drivers.items()):
+                log.write(json.dumps(f"bind {address} {driver} (by hand)") + "\n")
     finally:
         os.close(lock)
 
