@@ -40,10 +40,17 @@ CACHE = "ledger.cache.json"  # a JSON copy, used only for the ledger it was made
 CACHE_FROM = 4096
 _POLL = 0.02
 
-# A ledger decoded ahead (`Ledger.read_ahead`), by its bytes: a spare of the resident
-# helper decodes its host's ledger while it waits, and the command it then runs
-# reads the file again and skips the decoding when the bytes are the same.
-_ahead: tuple[bytes, LedgerState] | None = None
+# The ledger this process decoded or wrote last, by its bytes: every Ledger of the
+# process (a command, a hook and the explorer make several) reads the file again
+# and skips the decoding when the bytes are the same; a spare of the resident
+# helper fills it while it waits (`read_ahead`) for the command it then runs.
+_last: tuple[bytes, LedgerState] | None = None
+
+
+def forget_decoded() -> None:
+    """Forget `_last` (for tests that change a ledger's JSON copy by hand)."""
+    global _last
+    _last = None
 
 
 @dataclass
@@ -96,17 +103,14 @@ class Ledger:
 
     def read_ahead(self) -> int:
         """Decode the ledger now, for a later `read` in this process (or a fork of
-        it) to use if its bytes are still the same; the leases decoded.  Nothing is
-        trusted from it: the reader reads the bytes again, and any other bytes are
-        decoded as usual.  Raises what `read` raises."""
-        global _ahead
+        it) to use if its bytes are still the same (`_last`); the leases decoded.
+        Nothing is trusted from it: the reader reads the bytes again, and any other
+        bytes are decoded as usual.  Raises what `read` raises."""
         self._check_state_dir(create=False)
         with files.host_refusals(self.path, "read"):
             if not self.path.exists():
                 return 0
-            state = self._load_file(self.path)
-        _ahead = self._decoded  # the bytes read and their state, together
-        return len(state.leases)
+            return len(self._load_file(self.path).leases)
 
     def inspect(self) -> Reading:
         """Like `read`, but reports corruption instead of raising (for `status`)."""
@@ -209,7 +213,9 @@ class Ledger:
         except OSError as error:
             why, fix = files.describe_os_error(Path(error.filename or self.path), error)
             raise LedgerWriteFailed(self.path, why, fix) from error
+        global _last
         self._decoded = (data, state)  # the next transaction reads what was just written
+        _last = self._decoded
         self.generation_seen = state.generation
         self._write_cache_unlocked(state, ledger_format.checksum_of(data), len(data))
 
@@ -263,11 +269,12 @@ class Ledger:
             raise  # the host's refusal (host_refusals says it), not damage
         except OSError as error:
             raise LedgerCorrupt(path, f"cannot be read: {error}") from error
+        global _last
         if self._decoded is not None and self._decoded[0] == data:
             state = self._decoded[1]
-        elif _ahead is not None and _ahead[0] == data:
-            state = _ahead[1]
-            self._decoded = _ahead
+        elif _last is not None and _last[0] == data:
+            state = _last[1]
+            self._decoded = _last
         else:
             try:
                 cached = path == self.path and len(data) >= CACHE_FROM
@@ -275,6 +282,7 @@ class Ledger:
             except ledger_format.FormatError as error:
                 raise LedgerCorrupt(path, str(error)) from error
             self._decoded = (data, state)
+        _last = self._decoded
         if path == self.path:
             self.generation_seen = state.generation
         return state

@@ -238,7 +238,11 @@ def test_every_state_reads_back_as_it_was_written(state):
 
 @pytest.fixture
 def every_ledger_cached(monkeypatch):
+    """Every ledger with its JSON copy, and no state remembered from the writes: the
+    readers below must go to the file and its copy."""
     monkeypatch.setattr(ledger_module, "CACHE_FROM", 0)
+    yield
+    ledger_module.forget_decoded()
 
 
 def two_generations(tmp_path):
@@ -258,6 +262,7 @@ def test_the_json_copy_is_what_a_reader_uses_for_its_ledger(tmp_path, every_ledg
     # A copy made from these very bytes is believed: put another state in it to see it.
     marked = LedgerState(generation=99, leases=(lease("container:from-the-copy"),))
     cache.write_bytes(ledger_format.encode_cache(marked, digest))
+    ledger_module.forget_decoded()
     assert Ledger(ledger.state_dir).read() == marked
 
 
@@ -302,6 +307,7 @@ def test_only_a_large_ledger_has_a_json_copy_and_a_stale_one_goes_with_its_size(
     assert cache.read_bytes() == ledger_format.encode_cache(ledger.read(), digest)
     marked = LedgerState(generation=99, leases=(lease("container:from-the-copy"),))
     cache.write_bytes(ledger_format.encode_cache(marked, digest))
+    ledger_module.forget_decoded()
     assert Ledger(ledger.state_dir).read() == marked  # a large ledger is read from it
     with ledger.transaction() as txn:
         txn.state = replace(txn.state, leases=many[:2])
@@ -314,20 +320,24 @@ def test_only_a_large_ledger_has_a_json_copy_and_a_stale_one_goes_with_its_size(
 
 def test_a_ledger_read_ahead_is_not_decoded_again_until_its_bytes_change(tmp_path, monkeypatch):
     """What a spare of the resident helper does while it waits: a later reader (a new
-    Ledger, as a command opens it) reads the bytes and skips only their decoding."""
-    writer = Ledger(tmp_path / "state")
-    with writer.transaction() as txn:
+    Ledger, as a command opens it) reads the bytes and skips only their decoding; the
+    bytes changed by another process (copied in here, which this process does not
+    remember) are decoded anew."""
+    one, two = Ledger(tmp_path / "one"), Ledger(tmp_path / "two")
+    with one.transaction() as txn:
         txn.state = txn.state.with_lease(lease("container:a"))
-    assert Ledger(writer.state_dir).read_ahead() == 1
+    with two.transaction() as txn:
+        txn.state = txn.state.with_lease(lease("container:a")).with_lease(lease("container:b"))
+    ledger_module.forget_decoded()
+    assert Ledger(one.state_dir).read_ahead() == 1
     decoded: list[int] = []
     real_decode = ledger_format.decode
     monkeypatch.setattr(ledger_format, "decode", lambda *a: decoded.append(1) or real_decode(*a))
-    assert [x.claimant for x in Ledger(writer.state_dir).read().leases] == ["container:a"]
+    assert [x.claimant for x in Ledger(one.state_dir).read().leases] == ["container:a"]
     assert decoded == []
-    with Ledger(writer.state_dir).transaction() as txn:
-        txn.state = txn.state.with_lease(lease("container:b"))
-    decoded.clear()
-    after = Ledger(writer.state_dir).read()
+    (one.path.parent / "other").write_bytes(two.path.read_bytes())
+    os.replace(one.path.parent / "other", one.path)
+    after = Ledger(one.state_dir).read()
     assert [x.claimant for x in after.leases] == ["container:a", "container:b"]
     assert decoded == [1]
     assert Ledger(tmp_path / "nothing").read_ahead() == 0  # no ledger yet: nothing to do
