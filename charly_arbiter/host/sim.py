@@ -982,19 +982,11 @@ class SimHost:
 
 
 def _read_if_there(path: Path) -> bytes:
-    """The file's bytes, b"" when there is none (without a text layer: this is read at
-    every call into the simulation)."""
+    """The file's bytes, b"" when there is none."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return path.read_bytes()
     except FileNotFoundError:
         return b""
-    try:
-        chunks = []
-        while chunk := os.read(fd, 1 << 16):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 def _new_boot_id() -> str:
