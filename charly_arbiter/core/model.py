@@ -441,10 +441,14 @@ class Lease:
         return replace(self, switched=tuple(sorted(steps.items())))
 
     def with_stopped(self, record: StoppedHolder) -> Lease:
-        records = [r if r.holder != record.holder else record for r in self.stopped]
-        if all(r.holder != record.holder for r in self.stopped):
-            records.append(record)
-        return replace(self, stopped=tuple(records))
+        """The record of `record.holder` changed in its place, or added last.  One this
+        lease brought back already and records again (handed to it) goes last too:
+        holders come back newest first, so the order is what the lease did."""
+        old = next((r for r in self.stopped if r.holder == record.holder), None)
+        if old is not None and not (old.restored and not record.restored):
+            return replace(self, stopped=tuple(record if r is old else r for r in self.stopped))
+        kept = tuple(r for r in self.stopped if r is not old)
+        return replace(self, stopped=(*kept, record))
 
 
 def blocks_token(lease: Lease, token: str) -> bool:

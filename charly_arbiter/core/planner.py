@@ -367,7 +367,9 @@ def _decide_exclusive(
     names = tuple(token.name for token in tokens)
     preempted: dict[Claimant, tuple[str, ...]] = {}
     inherited: list[StoppedHolder] = []
-    for lease in ledger.leases:
+    # By name, not by ledger order (a lease moves to the end of the ledger each time
+    # it is written): the stops, and so the order they come back in, are the plan's.
+    for lease in sorted(ledger.leases, key=lambda lease: lease.claimant):
         # Only active shared leases that still hold a token are preempted; one that
         # is releasing and has let go of the token brings back its own holders.
         shared_here = [t for t in lease.tokens if t in names and blocks_token(lease, t)]
@@ -531,7 +533,7 @@ def _take_over_pending_restarts(
     names = {token.name for token in tokens}
     label = {token.name: _label(token) for token in tokens}
     taken = []
-    for lease in ledger.leases:
+    for lease in sorted(ledger.leases, key=lambda lease: lease.claimant):  # by name, as above
         if lease.state is not LeaseState.RELEASING or lease.claimant in preempted:
             continue
         for record in lease.unrestored():

@@ -134,6 +134,21 @@ def test_exclusive_preempts_shared_claimants_and_inherits_what_they_stopped():
     assert [r.holder for r in plan.inherited] == ["systemd:ollama.service"]
 
 
+def test_shared_claimants_are_stopped_and_inherited_by_name_whatever_the_ledger_order():
+    """Holders come back last stopped first, so the stops' order is part of the plan:
+    the preempted shared claimants by name, not in the order their leases were last
+    written (a lease moves to the end of the ledger each time)."""
+    first = lease("libvirt:zed", Mode.SHARED, stopped=[StoppedHolder("systemd:z.service")])
+    second = lease("container:amy", Mode.SHARED, stopped=[StoppedHolder("systemd:a.service")])
+    for state in (
+        EMPTY.with_lease(first).with_lease(second),
+        EMPTY.with_lease(second).with_lease(first),
+    ):
+        plan = decide_claim(state, "libvirt:win11", Mode.EXCLUSIVE, [token()], [], NONE)
+        assert [str(s.holder) for s in plan.stops] == ["container:amy", "libvirt:zed"]
+        assert [str(r.holder) for r in plan.inherited] == ["systemd:a.service", "systemd:z.service"]
+
+
 def test_exclusive_waits_for_a_shared_lease_still_being_acquired():
     state = EMPTY.with_lease(lease("container:llm", Mode.SHARED, state=LeaseState.ACQUIRING))
     with pytest.raises(ClaimRefused, match="acquiring"):

@@ -780,6 +780,25 @@ def test_records_handed_to_a_lease_while_it_releases_are_brought_back_too():
     assert later is not None and later.record.holder == G and later.way is ComebackWay.START
 
 
+def test_a_holder_handed_back_to_a_lease_that_restored_it_comes_back_as_the_newest():
+    """A releasing lease brought H back, and another release hands H to it again
+    (stopped again meanwhile) while it still has G to bring back: H is now the
+    newest record, so it comes back first, as if recorded last (not in the place
+    of its old, restored record)."""
+    g = StoppedHolder(G, DONE, tokens=("gpu1",))
+    h = StoppedHolder(H, DONE, tokens=("gpu0",))
+    item = replace(
+        lease(A, EXCLUSIVE, ("gpu0", "gpu1"), RELEASING, switched=(("gpu0", DONE), ("gpu1", DONE))),
+        stopped=(replace(h, restored=True), g),
+    )
+    again = item.with_stopped(h)
+    assert [r.holder for r in again.stopped] == [G, H]
+    comeback = decide_comeback(LedgerState(leases=(again,)), A, ())
+    assert comeback is not None and comeback.record.holder == H
+    # A record it still holds changes in its place.
+    assert [r.holder for r in again.with_stopped(replace(g, restored=True)).stopped] == [G, H]
+
+
 def test_a_holder_two_leases_recorded_is_left_to_the_other():
     """A ledger that records one holder in two leases (I3 broken, as an older version
     could leave it): the release leaves the holder to the other lease instead of

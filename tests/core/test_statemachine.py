@@ -621,21 +621,28 @@ def decide(
             holding.add("starting")
         if holding:
             return ("refused", frozenset(holding))
+        # In the planner's order (the order they come back in, reversed): the running
+        # holders as the host lists them, a holder that shares another GPU among them
+        # (it stays out of both), then the shared claimants of these tokens by name.
+        sharing = {lease.claimant: lease for lease in preempted}
         for ref in running:
-            if ref not in names:
+            lease = sharing.get(ref)
+            if lease is None:
                 stops.append(Rec(ref, (HOLDERS[ref],)))
-        for lease in preempted:
-            if any(lease.holds(token) for token in tokens):
-                stops.append(Rec(lease.claimant, lease.tokens, lease.tokens))
-            else:  # a holder of these tokens, sharing another: it stays out of both
+            elif not any(lease.holds(token) for token in tokens):
                 used = tuple(dict.fromkeys((HOLDERS[lease.claimant], *lease.tokens)))
                 stops.append(Rec(lease.claimant, used, lease.tokens))
+        sharers = [lease for lease in preempted if any(lease.holds(t) for t in tokens)]
+        also_held = {lease.claimant for lease in preempted} - {x.claimant for x in sharers}
+        for lease in sharers:
+            stops.append(Rec(lease.claimant, lease.tokens, lease.tokens))
         stops += [Rec(ref, (SCREEN.get(ref, "gpu1"),)) for ref in screen]
         return Plan(
             stops=tuple(stops),
             preempted=tuple(sorted(names)),
-            inherited=(
-                *(record for lease in preempted for record in lease.records),
+            inherited=(  # the sharers' records by name, then those of the holders among them
+                *(record for lease in sharers for record in lease.records),
+                *(record for ref in running if ref in also_held for record in sharing[ref].records),
                 *(record for _, record in taken),
             ),
             taken=tuple((name, record.holder) for name, record in taken),
