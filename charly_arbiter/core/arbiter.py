@@ -331,9 +331,11 @@ class Arbiter:
             EventKind.CLAIM, claimant=claimant, token=",".join(plan.tokens), mode=str(mode)
         )
         crashpoint("acquire.intent")
+        sleeps = sleeplocks.blocks_sleep(plan.mode, claimant, self.config.sleep)
         try:
             self._stop_holders(claimant, plan)
-            self._switch_tokens(claimant, plan, by_name)
+            # The last switch's record also records the sleep locks (one write less).
+            recorded = self._switch_tokens(claimant, plan, by_name, record_sleep=sleeps)
         except Exception as error:
             # Any failure after the first side effect is undone, not only the
             # arbiter's own errors: a holder must never stay stopped for nothing.
@@ -349,7 +351,8 @@ class Arbiter:
         for name in plan.cdi_tokens:
             if name not in plan.switched_tokens:  # a switch refreshed it already
                 self.switching.regenerate_cdi(by_name[name])
-        self._block_sleep(claimant, plan)
+        if sleeps:
+            self._block_sleep(claimant, plan, recorded=recorded)
         with self.ledger.transaction() as txn:
             lease = txn.state.lease_of(claimant)
             if lease is not None:
@@ -469,8 +472,17 @@ class Arbiter:
                 txn.state = txn.state.with_lease(lease.with_stopped(replace(record, state=step)))
 
     def _switch_tokens(
-        self, claimant: Claimant, plan: ClaimPlan, by_name: dict[str, TokenSpec]
-    ) -> None:
+        self,
+        claimant: Claimant,
+        plan: ClaimPlan,
+        by_name: dict[str, TokenSpec],
+        *,
+        record_sleep: bool = False,
+    ) -> bool:
+        """Switch each token and record it done.  With `record_sleep`, the last record
+        also records the claim's sleep locks, which are taken next (nothing is done on
+        the host between): whether it did."""
+        last = plan.switched_tokens[-1] if plan.switched_tokens else None
         for token in plan.switched_tokens:
             targets = {s.address: s.to_driver for s in plan.switches if s.token == token}
             self.events.emit(
@@ -482,18 +494,21 @@ class Arbiter:
                 lease = txn.state.lease_of(claimant)
                 if lease is not None:
                     txn.state = txn.state.with_lease(lease.with_switch(token, StepState.DONE))
+                    if record_sleep and token == last:
+                        txn.state = sleeplocks.with_recorded(txn.state, claimant, plan.tokens)
+        return record_sleep and last is not None
 
     # -- sleep locks (core/sleeplocks.py) ---------------------------------------------
 
-    def _block_sleep(self, claimant: Claimant, plan: ClaimPlan) -> None:
+    def _block_sleep(self, claimant: Claimant, plan: ClaimPlan, *, recorded: bool) -> None:
         """Take the claim's sleep locks, its GPUs on vfio-pci and before it turns active,
-        each recorded in its lease first.  A host that cannot take them (no systemd) is
-        logged and recorded in the lease, never a failed claim: the VM starts all the
-        same, and `status`, `explain` and `doctor` say that sleep is not blocked."""
-        if not sleeplocks.blocks_sleep(plan.mode, claimant, self.config.sleep):
-            return
-        with self.ledger.transaction() as txn:
-            txn.state = sleeplocks.with_recorded(txn.state, claimant, plan.tokens)
+        each recorded in its lease first (`recorded`: with the last switch already).  A
+        host that cannot take them (no systemd) is logged and recorded in the lease,
+        never a failed claim: the VM starts all the same, and `status`, `explain` and
+        `doctor` say that sleep is not blocked."""
+        if not recorded:
+            with self.ledger.transaction() as txn:
+                txn.state = sleeplocks.with_recorded(txn.state, claimant, plan.tokens)
         crashpoint("acquire.sleep")
         tokens = ",".join(plan.tokens)
         try:
