@@ -186,16 +186,25 @@ class Releaser:
         """Everything after the intent: tokens home, holders back, the lease gone."""
         claimant = plan.claimant
         self._allow_sleep(plan)
+        # Each token's way home is recorded before the next one starts; the last one's
+        # with the first holder's comeback, which nothing on the host comes between.
+        home: str | None = None
         for step in plan.homes:
             if step.due:
-                self._send_home(claimant, step, tokens.get(step.token))
+                if home is not None:
+                    with self.ledger.transaction() as txn:
+                        txn.state = rules.apply_home(txn.state, claimant, home)
+                home = self._send_home(claimant, step, tokens.get(step.token))
         attempted: set[Claimant] = set()
         while True:
-            self._restore_holders(claimant, attempted)
+            # The last holder's comeback writes the end with it when nothing else is left.
+            end = self._restore_holders(claimant, attempted, home=home)
+            home = None
             crashpoint("release.restored")
-            with self.ledger.transaction() as txn:
-                end = rules.decide_end(txn.state, claimant, attempted)
-                txn.state = rules.apply_end(txn.state, claimant, end)
+            if end is None:
+                with self.ledger.transaction() as txn:
+                    end = rules.decide_end(txn.state, claimant, attempted)
+                    txn.state = rules.apply_end(txn.state, claimant, end)
             if end is not End.MORE:
                 break
         if end is End.INCOMPLETE:
@@ -230,10 +239,12 @@ class Releaser:
                 EventKind.SLEEP_ALLOWED, claimant=plan.claimant, token=",".join(let_go)
             )
 
-    def _send_home(self, claimant: Claimant, step: HomeStep, spec: TokenSpec | None) -> None:
+    def _send_home(self, claimant: Claimant, step: HomeStep, spec: TokenSpec | None) -> str | None:
+        """Send one token home: the token, when its way home is done and is to be recorded
+        (the caller records it), or None."""
         if step.way is HomeWay.UNKNOWN or spec is None:
             log.warning("%s: no longer configured, left where it is", step.token)
-            return
+            return None
         if step.way is HomeWay.POISONED:
             log.warning("%s: poisoned, left where it is", step.token)
         elif step.way is HomeWay.SWITCH:
@@ -249,19 +260,25 @@ class Releaser:
                 self.switching.switch(spec, targets, claimant)  # CDI follows it
             except SwitchFailed as error:
                 log.error("%s: could not return home: %s", step.token, error)
-                return
-        with self.ledger.transaction() as txn:
-            txn.state = rules.apply_home(txn.state, claimant, step.token)
+                return None
+        return step.token
 
-    def _restore_holders(self, claimant: Claimant, attempted: set[Claimant]) -> None:
+    def _restore_holders(
+        self, claimant: Claimant, attempted: set[Claimant], *, home: str | None = None
+    ) -> End | None:
         """Bring back, one by one, every holder the lease still records (including
         records handed to it meanwhile), newest first; `attempted` are the ones this
-        release has dealt with already."""
+        release has dealt with already.  `home`: a token whose way home is recorded in
+        the first transaction, before the first decision.  The lease's end, when the
+        last holder's comeback wrote it too (None: the caller decides it)."""
         while True:
             with self.ledger.transaction() as txn:
+                if home is not None:
+                    txn.state = rules.apply_home(txn.state, claimant, home)
+                    home = None
                 comeback = rules.decide_comeback(txn.state, claimant, attempted)
                 if comeback is None:
-                    return
+                    return None
                 txn.state = rules.apply_comeback(txn.state, comeback)
             attempted.add(comeback.record.holder)
             holder = comeback.record.holder
@@ -293,7 +310,9 @@ class Releaser:
                 with self.ledger.transaction() as txn:
                     txn.state = rules.apply_start_failed(txn.state, comeback)
                 continue
-            self._came_back(comeback)
+            end = self._came_back(comeback, attempted)
+            if end is not None:
+                return end
 
     def _ended(self, claimant: Claimant, holder: Claimant) -> None:
         """A session's record, dealt with: it runs still (the claim stopped half-way
@@ -317,9 +336,12 @@ class Releaser:
                 )
         self.events.emit(EventKind.RESTORED, claimant=claimant, holder=holder)
 
-    def _came_back(self, comeback: rules.Comeback) -> None:
+    def _came_back(self, comeback: rules.Comeback, attempted: set[Claimant]) -> End | None:
         """Mark it restored and, for a preempted shared claimant, give its lease back
-        where the planner says (the host read first, the decision under the lock)."""
+        where the planner says (the host read first, the decision under the lock).
+        When no other holder is left to bring back (`attempted`: those dealt with),
+        the same write ends the lease: its end, or None."""
+        end = None
         record = comeback.record
         running = bool(record.shared_tokens) and self.host.is_running(record.holder)
         home = _home_tokens(self.tokens, record.shared_tokens) if running else frozenset()
@@ -336,6 +358,9 @@ class Releaser:
             txn.state = rules.apply_return(
                 txn.state, comeback, returned, boot_id=boot_id, created=now()
             )
+            if rules.decide_comeback(txn.state, comeback.lease, attempted) is None:
+                end = rules.decide_end(txn.state, comeback.lease, attempted)
+                txn.state = rules.apply_end(txn.state, comeback.lease, end)
         if returned.taken:
             log.error(
                 "%s: %s gets no shared lease back: %s held exclusively meanwhile",
@@ -343,6 +368,7 @@ class Releaser:
                 record.holder,
                 ", ".join(returned.taken),
             )
+        return end
 
 
 def _home_tokens(tokens: TokenCatalogue, names: Collection[str]) -> frozenset[str]:

@@ -831,14 +831,18 @@ def model_finish(run: Run, claimant: str) -> bool:
     # Last stopped, first back: the records in reverse (docs/architecture.md).  Not an
     # open order: a rollback over five stopped holders explored 23,000 orders of them.
     records = list(current(run, claimant).records)
+    came_back = False  # the last one dealt with came back: its write ends the lease too
     for record in reversed(records):
-        model_bring_back(run, claimant, record)
-    run.mark("release.restored")
+        came_back = model_bring_back(run, claimant, record)
+    if not came_back:
+        run.mark("release.restored")
     # Done when every token went home and every holder came back (or was handed
     # on); otherwise the lease stays for `restore`.
     lease = current(run, claimant)
     if not lease.records and all(step is DONE for _, step in lease.steps):
         run.set(run.world.drop(claimant))
+    if came_back:
+        run.mark("release.restored")
     return True
 
 
@@ -848,14 +852,15 @@ def current_of(world: World, claimant: str) -> MLease:
     return lease
 
 
-def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
+def model_bring_back(run: Run, claimant: str, record: Rec) -> bool:
+    """Deal with one record: whether its holder came back (started, its lease back)."""
     world = run.world
     lease = current(run, claimant)
     others = [other for other in world.leases if other.claimant != claimant]
     if record.holder in SESSIONS:
         # A session is never started again (its display manager's login screen is).
         run.put(lease.without_record(record.holder))
-        return
+        return False
     # Where an exclusive lease now holds one of its tokens, the holder stays
     # stopped and that lease brings it back.  For a preempted shared claimant
     # that is I1 (its lease may not come back beside an exclusive one): any
@@ -866,7 +871,7 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
     # plain holder does).  A plain holder is handed only to a lease that is not
     # ending (I5 wants it running even beside a GPU poisoned on vfio-pci).
     if record.shared and lease.mode is EXCLUSIVE and any(lease.holds(t) for t in record.shared):
-        return
+        return False
     exclusive = [
         other.claimant
         for other in others
@@ -880,15 +885,15 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
         if all(r.holder != record.holder for r in heir.records):
             world = world.put(heir.with_record(replace(record, starting=False)))
         run.set(world.put(current_of(world, claimant).without_record(record.holder)))
-        return
+        return False
     if record.holder in MANAGERS and any(lease.holds(t) for t in uses(record)):
         # A display manager waits for the GPU this lease still holds (its way home
         # failed); once restore lets go of it poisoned, it is started all the same.
-        return
+        return False
     if any(r.holder == record.holder for other in others for r in other.records):
         # Another lease stopped it too; that one brings it back.
         run.put(current(run, claimant).without_record(record.holder))
-        return
+        return False
     run.put(current(run, claimant).with_record(replace(record, starting=True)))
     run.mark("release.start")
     if not run.world.running(record.holder):
@@ -896,7 +901,7 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
         unit = SAME_UNIT.get(record.holder, record.holder)  # (gpu1's: the listed holder's)
         if unit in run.faults.fail_start or fails:
             run.put(current(run, claimant).with_record(replace(record, starting=False)))
-            return
+            return False
         run.set(run.world.with_running(record.holder, True))
     world = run.world.put(current(run, claimant).without_record(record.holder))
     # Its shared lease comes back on the tokens that are home: one left on vfio-pci
@@ -911,6 +916,7 @@ def model_bring_back(run: Run, claimant: str, record: Rec) -> None:
     if home and not taken and world.lease(record.holder) is None:
         world = world.put(MLease(record.holder, SHARED, home, ACTIVE, world.boot))
     run.set(world)
+    return True
 
 
 def runs_with_active_lease(world: World, claimant: str) -> bool:
