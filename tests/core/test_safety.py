@@ -164,38 +164,46 @@ def test_a_prepare_that_waits_too_long_for_its_release_is_refused_clearly(sim):
 def test_a_preempted_shared_claimant_is_not_reinstated_beside_a_new_exclusive_lease(sim):
     """Before: releasing an exclusive lease restarted a preempted shared claimant and
     recreated its lease without looking whether another exclusive lease had taken the
-    GPU meanwhile (I1), and the GPU then stayed on vfio-pci under the shared lease."""
+    GPU meanwhile (I1), and the GPU then stayed on vfio-pci under the shared lease.
+    Now the write that records gpu0 home also marks container:llm as being started,
+    so there is no moment between them: libvirt:b's claim right after it is refused
+    (try again), not granted beside the comeback; once container:llm runs with its
+    lease back, b's claim preempts it as any, and b's release gives it back."""
     arbiter = sim.arbiter()
     arbiter.acquire("container:llm", Mode.SHARED, ["gpu0"])
     arbiter.acquire("libvirt:a", Mode.EXCLUSIVE, ["gpu0"])  # preempts container:llm
     sim.stopped("libvirt:a")
     from charly_arbiter.core import crashpoints
 
+    seen = []
+
     def between(step: str) -> None:
-        # After libvirt:a sent gpu0 home and before it brings container:llm back,
-        # libvirt:b claims gpu0: it must keep container:llm stopped, not meet it.
+        # The first moment after libvirt:a sent gpu0 home: libvirt:b claims gpu0.
         if step != "ledger.unlocked":
             return
         releasing = read_ledger(sim.state_dir).lease_of("libvirt:a")
-        if (
-            releasing is not None
-            and releasing.switch_state("gpu0") is StepState.DONE
-            and all(r.state is not StepState.STARTING for r in releasing.stopped)
-        ):
+        if releasing is not None and releasing.switch_state("gpu0") is StepState.DONE:
             crashpoints.hook = None
-            sim.arbiter().acquire("libvirt:b", Mode.EXCLUSIVE, ["gpu0"])
-            check_invariants(sim, "libvirt:b claimed during the release")
+            seen.append([(str(r.holder), r.state) for r in releasing.unrestored()])
+            with pytest.raises(ClaimRefused, match="being started again"):
+                sim.arbiter().acquire("libvirt:b", Mode.EXCLUSIVE, ["gpu0"], wait=0)
+            check_invariants(sim, "libvirt:b refused during the release")
 
     crashpoints.hook = between
     try:
         arbiter.release_claimant("libvirt:a")
     finally:
         crashpoints.hook = None
+    assert len(seen) == 1 and ("container:llm", StepState.STARTING) in seen[0], seen
     state = read_ledger(sim.state_dir)
-    assert [lease.claimant for lease in state.leases] == ["libvirt:b"]
-    (lease,) = state.leases
-    assert {r.holder for r in lease.unrestored()} >= {"container:llm"}
+    assert [(lease.claimant, lease.mode) for lease in state.leases] == [
+        ("container:llm", Mode.SHARED)
+    ]
     check_invariants(sim, "after the release")
+    arbiter.acquire("libvirt:b", Mode.EXCLUSIVE, ["gpu0"])  # preempts container:llm again
+    lease = read_ledger(sim.state_dir).lease_of("libvirt:b")
+    assert lease is not None and {r.holder for r in lease.unrestored()} >= {"container:llm"}
+    check_invariants(sim, "libvirt:b holds gpu0")
     sim.stopped("libvirt:b")
     arbiter.release_claimant("libvirt:b")
     state = read_ledger(sim.state_dir)
