@@ -420,7 +420,10 @@ def qemu_argv(kernel: Kernel, initramfs: Path, share: Path, spec: Spec) -> list[
         # no_timer_check: under TCG on a loaded machine the kernel's check that the
         # timer interrupt arrives can fail, and with interrupt remapping it panics at
         # boot ("timer doesn't work through Interrupt-remapped IO-APIC"; seen in CI).
-        "console=ttyS0 intel_iommu=on iommu=pt no_timer_check quiet rw panic=-1 rdinit=/init",
+        # mitigations=off: the guest runs nothing untrusted, and its retpolines cost
+        # TCG 5-10% (measured: ten `python3 -c pass` and 100,000 stats).
+        "console=ttyS0 intel_iommu=on iommu=pt no_timer_check mitigations=off "
+        "quiet rw panic=-1 rdinit=/init",
     ]
     read_only = ",readonly=on"
     shares = (("hostroot", Path("/"), read_only), ("share", share, ""), ("repo", REPO, read_only))
