@@ -34,7 +34,7 @@ from typing import Any
 from charly_arbiter.core import arbiter as arbiter_module
 from charly_arbiter.core import crashpoints, liveness
 from charly_arbiter.core.arbiter import Arbiter
-from charly_arbiter.core.config import load_config
+from charly_arbiter.core.config import ATTACHED_DIR, Config, load_config
 from charly_arbiter.core.ledger import Ledger
 from charly_arbiter.core.model import ProcessRef
 from charly_arbiter.host.sim import SimHost
@@ -64,14 +64,32 @@ class World:
     def host(self) -> SimHost:
         return ExplorerHost(self.sim_dir, self.scheduler)
 
+    def config(self) -> Config:
+        """The configuration as `load_config` reads it, parsed once per text: every
+        operation and every step's check reads it, and parsing it again each time was
+        a tenth of the explorer's time.  The key is everything the parse reads (the
+        file and `attach`'s files beside it), so a change to either is read anew."""
+        attached = self.config_path.parent / ATTACHED_DIR
+        key = (
+            str(self.config_path),
+            self.config_path.read_bytes(),
+            tuple((p.name, p.read_bytes()) for p in sorted(attached.glob("*.toml"))),
+        )
+        config = _CONFIGS.get(key)
+        if config is None:
+            config = _CONFIGS[key] = load_config(self.config_path, environ={})
+        return config
+
     def arbiter(self, pid: int) -> Arbiter:
-        config = load_config(self.config_path, environ={})
+        config = self.config()
         ledger = Ledger(config.state_dir, config.timeouts.lock_wait)
         return Arbiter(config, self.host(), ledger, owner=ProcessRef(pid, 1))
 
     def ledger(self) -> Ledger:
-        config = load_config(self.config_path, environ={})
-        return Ledger(config.state_dir)
+        return Ledger(self.config().state_dir)
+
+
+_CONFIGS: dict[tuple[str, bytes, tuple[tuple[str, bytes], ...]], Config] = {}
 
 
 class ExplorerHost(SimHost):

@@ -11,6 +11,7 @@ exploring would fail.
 
 from __future__ import annotations
 
+import functools
 import tomllib
 
 import pytest
@@ -79,8 +80,15 @@ def start_with(
 
 def holder_refs(world: World) -> tuple[str, ...]:
     """Every holder of the world's host.toml: each runs unless a lease stopped it."""
-    with (world.sim_dir / "host.toml").open("rb") as handle:
-        listed = tomllib.load(handle).get("holders", [])
+    return _holder_refs((world.sim_dir / "host.toml").read_bytes())
+
+
+@functools.lru_cache(maxsize=64)
+def _holder_refs(text: bytes) -> tuple[str, ...]:
+    """Parsed once per text: every step's check asks, and the host's description
+    changes only where a test changes it (parsing it each time was a fifth of the
+    explorer's time)."""
+    listed = tomllib.loads(text.decode()).get("holders", [])
     return tuple(f"{item['kind']}:{item['name']}" for item in listed)
 
 
