@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,12 +47,36 @@ def sim_config(**tokens: str) -> str:
 
 DEFAULT_CONFIG = sim_config(gpu0="0000:0a:00.0", gpu1="0000:0b:00.0")
 
+# scripts/test runs the tests of pure code (its PURE list) in a pytest process of their
+# own with CHARLY_TESTS_PURE=1, and does not run them again with Debian 12's libraries:
+# code that never starts the CLI and never imports a library Debian ships at another
+# version gives the same result on the same interpreter.  This holds them to that:
+# such a run fails if a test starts the CLI or anything imports one of these.
+PURE = os.environ.get("CHARLY_TESTS_PURE") == "1"
+THIRD_PARTY = ("click", "tomlkit", "pyudev", "libvirt", "prometheus_client", "pynvml")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pure_stays_pure() -> Iterator[None]:
+    yield
+    if PURE:
+        reached = sorted(name for name in THIRD_PARTY if name in sys.modules)
+        assert not reached, (
+            f"a test run as pure code (CHARLY_TESTS_PURE=1) imported {', '.join(reached)}: "
+            "take its module out of PURE in scripts/test, so that Debian's libraries run it"
+        )
+
 
 def run_cli(
     args: Sequence[str], env: dict[str, str], *, check: bool = False, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     """The real `charly-arbiter` CLI as a process of its own, from the checkout; with
     `check`, a failure is the test's, with its stderr."""
+    if PURE:
+        raise AssertionError(
+            "a test run as pure code (CHARLY_TESTS_PURE=1) starts the CLI: take its module"
+            " out of PURE in scripts/test, so that Debian's libraries run it"
+        )
     result = subprocess.run(
         [sys.executable, "-m", "charly_arbiter", *args],
         capture_output=True,
