@@ -54,6 +54,7 @@ DEFAULT_CONFIG = sim_config(gpu0="0000:0a:00.0", gpu1="0000:0b:00.0")
 # such a run fails if a test starts the CLI or anything imports one of these.
 PURE = os.environ.get("CHARLY_TESTS_PURE") == "1"
 THIRD_PARTY = ("click", "tomlkit", "pyudev", "libvirt", "prometheus_client", "pynvml")
+NOT_PURE = "take its module out of PURE in scripts/test, so that Debian's libraries run it"
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -63,7 +64,7 @@ def pure_stays_pure() -> Iterator[None]:
         reached = sorted(name for name in THIRD_PARTY if name in sys.modules)
         assert not reached, (
             f"a test run as pure code (CHARLY_TESTS_PURE=1) imported {', '.join(reached)}: "
-            "take its module out of PURE in scripts/test, so that Debian's libraries run it"
+            + NOT_PURE
         )
 
 
@@ -74,8 +75,7 @@ def run_cli(
     `check`, a failure is the test's, with its stderr."""
     if PURE:
         raise AssertionError(
-            "a test run as pure code (CHARLY_TESTS_PURE=1) starts the CLI: take its module"
-            " out of PURE in scripts/test, so that Debian's libraries run it"
+            f"a test run as pure code (CHARLY_TESTS_PURE=1) starts the CLI: {NOT_PURE}"
         )
     result = subprocess.run(
         [sys.executable, "-m", "charly_arbiter", *args],

@@ -21,6 +21,7 @@ every step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import tempfile
 import threading
@@ -70,15 +71,11 @@ class World:
         a tenth of the explorer's time.  The key is everything the parse reads (the
         file and `attach`'s files beside it), so a change to either is read anew."""
         attached = self.config_path.parent / ATTACHED_DIR
-        key = (
+        return _config(
             str(self.config_path),
             self.config_path.read_bytes(),
             tuple((p.name, p.read_bytes()) for p in sorted(attached.glob("*.toml"))),
         )
-        config = _CONFIGS.get(key)
-        if config is None:
-            config = _CONFIGS[key] = load_config(self.config_path, environ={})
-        return config
 
     def arbiter(self, pid: int) -> Arbiter:
         config = self.config()
@@ -89,7 +86,10 @@ class World:
         return Ledger(self.config().state_dir)
 
 
-_CONFIGS: dict[tuple[str, bytes, tuple[tuple[str, bytes], ...]], Config] = {}
+@functools.lru_cache(maxsize=64)
+def _config(path: str, text: bytes, attached: tuple[tuple[str, bytes], ...]) -> Config:
+    """`World.config`'s parse; its arguments are the cache's key."""
+    return load_config(Path(path), environ={})
 
 
 class ExplorerHost(SimHost):

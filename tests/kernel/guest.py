@@ -57,7 +57,20 @@ SRIOV_NVME = (
     "sriov_max_vfs=2,sriov_vq_flexible=4,sriov_vi_flexible=2",
 )
 
-INIT = """#!/bin/busybox sh
+# The 9p mount options every share of every guest here uses (sysguest.py too).
+P9 = "trans=virtio,version=9p2000.L,msize=512000"
+# The guests' kernel command line (sysguest.py adds `rw`).  no_timer_check: under TCG
+# on a loaded machine the kernel's check that the timer interrupt arrives can fail,
+# and with interrupt remapping it panics at boot ("timer doesn't work through
+# Interrupt-remapped IO-APIC"; seen in CI).  mitigations=off: the guest runs nothing
+# untrusted, and its retpolines cost TCG 5-10% (measured: ten `python3 -c pass` and
+# 100,000 stats).
+KERNEL_COMMAND_LINE = (
+    "console=ttyS0 intel_iommu=on iommu=pt no_timer_check mitigations=off "
+    "quiet panic=-1 rdinit=/init"
+)
+
+INIT = f"""#!/bin/busybox sh
 /bin/busybox --install -s /bin
 mount -t proc proc /proc
 mount -t sysfs sys /sys
@@ -65,7 +78,7 @@ mount -t devtmpfs dev /dev
 for module in $(cat /modules.order); do
     insmod /modules/$module || echo "insmod $module failed"
 done
-P9=trans=virtio,version=9p2000.L,msize=512000
+P9={P9}
 mount -t 9p -o $P9,ro,cache=loose hostroot /mnt || poweroff -f
 mount -t proc proc /mnt/proc
 mount -t sysfs sys /mnt/sys
@@ -87,8 +100,7 @@ def repo_mount_script(repo: Path) -> str:
     path = shlex.quote(str(repo))
     return (
         f"if [ ! -d {path}/charly_arbiter ]; then\n"
-        f"    mkdir -p {path} && mount -t 9p"
-        " -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose"
+        f"    mkdir -p {path} && mount -t 9p -o {P9},ro,cache=loose"
         f" repo {path} || echo 'guest: cannot mount the checkout' >&2\n"
         "fi\n"
     )
@@ -190,12 +202,29 @@ def _prepare_kernel() -> Kernel:
         _run(["/usr/sbin/depmod", "-b", str(staging), version])
         shutil.rmtree(root, ignore_errors=True)
         staging.rename(root)
-    # named by its init's hash: a changed INIT is never booted from an older cache
-    digest = hashlib.sha256((INIT + " ".join(INITRAMFS_MODULES)).encode()).hexdigest()[:12]
-    initramfs = CACHE / f"initramfs-{version}-{digest}.cpio.gz"
-    if not initramfs.exists():
-        _build_initramfs(root, version, _download("busybox-static", debs), initramfs)
+    initramfs = cached_initramfs(root, version, "initramfs", INIT, INITRAMFS_MODULES)
     return Kernel(version, root, root / "boot" / f"vmlinuz-{version}", initramfs)
+
+
+def cached_initramfs(
+    root: Path,
+    version: str,
+    name: str,
+    init: str,
+    modules: tuple[str, ...],
+    directories: tuple[str, ...] = ("mnt",),
+) -> Path:
+    """`build_initramfs`'s initramfs in the cache, built once and named by a hash of
+    its init and modules, so a changed init is never booted from an older cache (the
+    older one is removed when the new one is built)."""
+    digest = hashlib.sha256((init + " ".join(modules)).encode()).hexdigest()[:12]
+    target = CACHE / f"{name}-{version}-{digest}.cpio.gz"
+    if not target.exists():
+        for stale in CACHE.glob(f"{name}-{version}-*.cpio.gz"):
+            stale.unlink(missing_ok=True)
+        busybox = _download("busybox-static", CACHE / "debs")
+        build_initramfs(root, version, busybox, target, init, modules, directories)
+    return target
 
 
 def _module_order(modules_dir: Path, wanted: tuple[str, ...]) -> list[str]:
@@ -217,10 +246,6 @@ def _module_order(modules_dir: Path, wanted: tuple[str, ...]) -> list[str]:
     for name in wanted:
         visit(by_name[name])
     return order
-
-
-def _build_initramfs(root: Path, version: str, busybox_deb: Path, target: Path) -> None:
-    build_initramfs(root, version, busybox_deb, target, INIT, INITRAMFS_MODULES)
 
 
 def build_initramfs(
@@ -312,13 +337,7 @@ def boot(
         "-initrd",
         str(kernel.initramfs),
         "-append",
-        # no_timer_check: under TCG on a loaded machine the kernel's check that the
-        # timer interrupt arrives can fail, and with interrupt remapping it panics at
-        # boot ("timer doesn't work through Interrupt-remapped IO-APIC"; seen in CI).
-        # mitigations=off: the guest runs nothing untrusted, and its retpolines cost
-        # TCG 5-10% (measured: ten `python3 -c pass` and 100,000 stats).
-        "console=ttyS0 intel_iommu=on iommu=pt no_timer_check mitigations=off "
-        "quiet panic=-1 rdinit=/init",
+        KERNEL_COMMAND_LINE,
         "-virtfs",
         "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
         "-virtfs",

@@ -50,7 +50,6 @@ traceback and evidence if it raised.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pwd
@@ -62,7 +61,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from guest import CACHE, INITRAMFS_MODULES, QEMU, Kernel, _download, build_initramfs
+from guest import (
+    INITRAMFS_MODULES,
+    KERNEL_COMMAND_LINE,
+    QEMU,
+    Kernel,
+    cached_initramfs,
+)
 from libvirt_units import LIBVIRT_UNITS  # left alone (not started, not masked) for libvirt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -271,22 +276,14 @@ class Run:
 
 def prepare_initramfs(kernel: Kernel) -> Path:
     """The systemd guest's initramfs for `kernel`, built once (named by its init's hash)."""
-    digest = hashlib.sha256((INIT + " ".join(INITRAMFS_SYSTEMD_MODULES)).encode()).hexdigest()
-    target = CACHE / f"initramfs-systemd-{kernel.version}-{digest[:12]}.cpio.gz"
-    if not target.exists():
-        for stale in CACHE.glob(f"initramfs-systemd-{kernel.version}-*.cpio.gz"):
-            stale.unlink(missing_ok=True)
-        busybox = _download("busybox-static", CACHE / "debs")
-        build_initramfs(
-            kernel.root,
-            kernel.version,
-            busybox,
-            target,
-            INIT,
-            INITRAMFS_SYSTEMD_MODULES,
-            directories=("lower", "rw", "newroot"),
-        )
-    return target
+    return cached_initramfs(
+        kernel.root,
+        kernel.version,
+        "initramfs-systemd",
+        INIT,
+        INITRAMFS_SYSTEMD_MODULES,
+        directories=("lower", "rw", "newroot"),
+    )
 
 
 def host_enabled_units(etc: Path = Path("/etc/systemd/system")) -> set[str]:
@@ -417,13 +414,7 @@ def qemu_argv(kernel: Kernel, initramfs: Path, share: Path, spec: Spec) -> list[
         "-initrd",
         str(initramfs),
         "-append",
-        # no_timer_check: under TCG on a loaded machine the kernel's check that the
-        # timer interrupt arrives can fail, and with interrupt remapping it panics at
-        # boot ("timer doesn't work through Interrupt-remapped IO-APIC"; seen in CI).
-        # mitigations=off: the guest runs nothing untrusted, and its retpolines cost
-        # TCG 5-10% (measured: ten `python3 -c pass` and 100,000 stats).
-        "console=ttyS0 intel_iommu=on iommu=pt no_timer_check mitigations=off "
-        "quiet rw panic=-1 rdinit=/init",
+        f"{KERNEL_COMMAND_LINE} rw",
     ]
     read_only = ",readonly=on"
     shares = (("hostroot", Path("/"), read_only), ("share", share, ""), ("repo", REPO, read_only))
