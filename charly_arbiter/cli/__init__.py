@@ -19,9 +19,10 @@ which whatever runs here sets up first (`hookio.python_with_site`).
 
 Errors are turned into one or two sentences on stderr here, at one boundary;
 a traceback only with `-v`.
-"""
 
-from __future__ import annotations
+No `from __future__ import annotations` here, as in serve/client.py: the program's
+path imports nothing it does not need before the hand-over.
+"""
 
 import sys
 
@@ -52,14 +53,14 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> NoReturn:
+def main(argv: list[str] | None = None) -> "NoReturn":
     args = sys.argv[1:] if argv is None else argv
     if argv is None and args[:1] not in (["hook"], ["serve"]):
-        from charly_arbiter.serve.client import run_program
+        from charly_arbiter.serve.client import exit_now, run_program
 
         code = run_program(args)
         if code is not None:
-            sys.exit(code)
+            exit_now(code)  # the program, whose command the helper ran
     if args[:1] != ["hook"] or args[1:2] == ["oci-inject"]:
         # What runs here needs the installed libraries; the hooks set `site` up
         # themselves, on their slow paths only.

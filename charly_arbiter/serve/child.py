@@ -117,8 +117,7 @@ def _numbers(field: bytes) -> tuple[int, ...]:
 def identity() -> tuple[bytes, bytes]:
     """What a client must share with the server to be served: the interpreter and
     the directory the package was loaded from (client.request sends its own)."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(client.__file__)))
-    return os.fsencode(sys.executable), os.fsencode(package)
+    return os.fsencode(sys.executable), os.fsencode(client.package_directory())
 
 
 def serve(

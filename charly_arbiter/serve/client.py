@@ -2,8 +2,8 @@
 or say that it is not there, and the caller runs the command in-process as without it.
 
 Imported by the program before anything heavy (cli/__init__.py, and the hooks' slow
-paths): `os`, `sys`, `time` and the C halves of `socket` and `signal`, nothing of the
-arbiter, so a host without the helper pays one failed `connect` (tens of
+paths): `posix`, `sys`, `time` and the C halves of `socket` and `signal`, nothing of
+the arbiter, so a host without the helper pays one failed `connect` (tens of
 microseconds) and a host with it a few milliseconds for the whole hand-over.
 
 The hand-over (docs/architecture.md, "Where people wait"):
@@ -22,11 +22,15 @@ The hand-over (docs/architecture.md, "Where people wait"):
    (kill -9) takes its child with it.
 No socket, a refused connection, a server of another uid, a dead or hung one, or
 no `ready` within the deadline (steps 1-3 together): `forward` returns None.
+
+It uses `posix`, not `os`: importing `os` (posixpath, stat, _collections_abc) is
+about 1 ms of a program started without `site`, where the whole hand-over is a few
+(docs/architecture.md, "Python without `site`").  For the same reason there is no
+`from __future__ import annotations` here, and the annotations of names imported
+only for the type checker are quoted.
 """
 
-from __future__ import annotations
-
-import os
+import posix
 import sys
 import time
 
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
     from _socket import socket
     from collections.abc import Sequence
     from types import ModuleType
+    from typing import NoReturn
 
 SOCKET = "/run/charly-arbiter/serve.sock"
 ENV_SOCKET = "CHARLY_ARBITER_SOCKET"
@@ -62,7 +67,59 @@ class NotServed(Exception):
     """The helper did not take the command (the message says why); it runs in-process."""
 
 
-def forward(argv: Sequence[str], stdin: bytes | None = None) -> int | None:
+def environment_bytes() -> dict[bytes, bytes]:
+    """This process's environment: `os.environb` once `os` is imported (it follows
+    changes made through os.environ), else posix's, the environment the process
+    started with, which nothing has changed on the program's path."""
+    os_module = sys.modules.get("os")
+    return posix.environ if os_module is None else os_module.environb
+
+
+def getenv(name: str) -> str | None:
+    """os.getenv's answer, from environment_bytes."""
+    value = environment_bytes().get(fsencode(name))
+    return None if value is None else value.decode(*_filesystem_encoding())
+
+
+def fsencode(text: str) -> bytes:
+    """os.fsencode of a str."""
+    return text.encode(*_filesystem_encoding())
+
+
+def _filesystem_encoding() -> tuple[str, str]:
+    return sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
+
+
+def package_directory() -> str:
+    """The directory of the package this module was imported from, as
+    os.path.abspath spells it: the client sends it and the server compares it with
+    its own (child.identity), both from this function."""
+    path = __file__ if __file__.startswith("/") else f"{posix.getcwd()}/{__file__}"
+    parts: list[str] = []
+    for part in path.split("/"):
+        if part == "..":
+            del parts[-1:]
+        elif part not in ("", "."):
+            parts.append(part)
+    return "/" + "/".join(parts[:-2])  # less serve/client.py
+
+
+def exit_now(code: int) -> "NoReturn":
+    """End the program with the exit status the helper's child sent back, without the
+    interpreter's finalization (its module teardown is 1-1.5 ms, a tenth of the
+    program's start): nothing here leaves work for it once the standard streams are
+    flushed.  A status outside C's int goes the usual way, as sys.exit says it."""
+    for stream in (sys.stdout, sys.stderr):
+        try:  # noqa: SIM105  (contextlib is an import this path does without)
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # None, closed, or a broken pipe
+            pass
+    if -(1 << 31) <= code < 1 << 31:
+        posix._exit(code)
+    sys.exit(code)
+
+
+def forward(argv: "Sequence[str]", stdin: bytes | None = None) -> int | None:
     """Have the resident helper run `charly-arbiter ARGV`: its exit status, or None
     when it did not take the command.  `stdin`: what a hook already read from its
     stdin (the child reads these bytes instead).
@@ -70,7 +127,7 @@ def forward(argv: Sequence[str], stdin: bytes | None = None) -> int | None:
     Raises ArbiterError when the command was handed over but no exit status came
     back (its process was killed), and, with CHARLY_ARBITER_SERVE=must, when the
     helper did not take it."""
-    mode = os.environ.get(ENV_SERVE, "")
+    mode = getenv(ENV_SERVE) or ""
     if in_server or mode == "off":
         return None
     try:
@@ -86,7 +143,7 @@ def forward(argv: Sequence[str], stdin: bytes | None = None) -> int | None:
         return None
 
 
-def run_program(argv: Sequence[str]) -> int | None:
+def run_program(argv: "Sequence[str]") -> int | None:
     """`forward` for the CLI: a command that was lost is said as the CLI says an error."""
     try:
         return forward(argv)
@@ -103,30 +160,29 @@ def run_program(argv: Sequence[str]) -> int | None:
 
 def deadline_seconds() -> float:
     try:
-        milliseconds = float(os.environ.get(ENV_DEADLINE, DEADLINE_MS))
+        milliseconds = float(getenv(ENV_DEADLINE) or DEADLINE_MS)
     except ValueError:
         milliseconds = DEADLINE_MS
     return max(milliseconds, 1.0) / 1000
 
 
-def request(argv: Sequence[str], stdin: bytes | None) -> bytes:
+def request(argv: "Sequence[str]", stdin: bytes | None) -> bytes:
     """The request's bytes: MAGIC, the body's length, then NUL-separated fields (what
     child.Request reads); a hook's stdin bytes last, whole."""
     signals = _signal()
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ignored = [n for n in CATCHABLE if signals.getsignal(n) == signals.SIG_IGN]
     blocked = sorted(int(n) for n in signals.pthread_sigmask(signals.SIG_BLOCK, ()))
     streams = [_stream(stream) for stream in (sys.stdin, sys.stdout, sys.stderr)]
-    environment = [key + b"=" + value for key, value in os.environb.items()]
+    environment = [key + b"=" + value for key, value in environment_bytes().items()]
     fields = [
-        os.fsencode(sys.executable),
-        os.fsencode(package),
+        fsencode(sys.executable),
+        fsencode(package_directory()),
         b",".join(b"%d" % n for n in ignored),
         b",".join(b"%d" % n for n in blocked),
         *streams,
-        os.fsencode(sys.argv[0] if sys.argv else ""),
+        fsencode(sys.argv[0] if sys.argv else ""),
         b"%d" % len(argv),
-        *(os.fsencode(argument) for argument in argv),
+        *(fsencode(argument) for argument in argv),
         b"%d" % len(environment),
         *environment,
         b"-" if stdin is None else b"=",
@@ -144,28 +200,28 @@ def _stream(stream: object) -> bytes:
     return f"{encoding}:{errors}:{line}:{through}".encode()
 
 
-def _signal() -> ModuleType:
+def _signal() -> "ModuleType":
     """signal's C half: signal.py imports enum, milliseconds on the hooks' path."""
     return __import__("_signal")
 
 
-def _hand_over(argv: Sequence[str], stdin: bytes | None) -> Connection:
+def _hand_over(argv: "Sequence[str]", stdin: bytes | None) -> "Connection":
     """Steps 1-3 of the module's docstring, within the deadline; NotServed otherwise."""
     import _socket
 
-    path = os.environ.get(ENV_SOCKET) or SOCKET
+    path = getenv(ENV_SOCKET) or SOCKET
     deadline = time.monotonic() + deadline_seconds()
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     connection = Connection(sock, deadline)
     cwd = -1
     try:
-        cwd = os.open(".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        cwd = posix.open(".", posix.O_PATH | posix.O_DIRECTORY | posix.O_CLOEXEC)
         connection.settle()
         sock.connect(path)
         peer = sock.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12)
         uid = int.from_bytes(peer[4:8], sys.byteorder)
-        if uid != os.geteuid():
-            raise NotServed(f"{path} is served by uid {uid}, not this uid {os.geteuid()}")
+        if uid != posix.geteuid():
+            raise NotServed(f"{path} is served by uid {uid}, not this uid {posix.geteuid()}")
         connection.settle()
         sock.sendall(request(argv, stdin))
         answer = connection.line()
@@ -183,14 +239,14 @@ def _hand_over(argv: Sequence[str], stdin: bytes | None) -> Connection:
         raise NotServed(f"{path}: {error}") from None
     finally:
         if cwd >= 0:
-            os.close(cwd)
+            posix.close(cwd)
     return connection
 
 
 class Connection:
     """One hand-over's socket: lines in, within the deadline until `go`."""
 
-    def __init__(self, sock: socket, deadline: float) -> None:
+    def __init__(self, sock: "socket", deadline: float) -> None:
         self.sock = sock
         self.deadline: float | None = deadline
         self.buffer = b""
@@ -276,7 +332,7 @@ def _die_by(signum: int) -> int:
     """End this process by `signum`, as the command's did (128 + N if it survives)."""
     signals = _signal()
     signals.signal(signum, signals.SIG_DFL)
-    os.kill(os.getpid(), signum)
+    posix.kill(posix.getpid(), signum)
     return 128 + signum
 
 
