@@ -91,9 +91,9 @@ def main(argv: list[str] | None = None) -> "NoReturn":
         from charly_arbiter.libvirt.hook import main as hook_main
 
         sys.exit(hook_main(args[1:]))
-    from charly_arbiter.cli.app import build
+    from charly_arbiter.cli.app import built
 
-    build(COMMANDS)(args=args, prog_name="charly-arbiter")
+    built(COMMANDS)(args=args, prog_name="charly-arbiter")
     sys.exit(0)
 
 
@@ -101,11 +101,14 @@ __all__ = ["COMMANDS", "main"]
 
 
 def _read_ahead() -> str:
-    """What a spare of the resident helper does while it waits: decode the ledger of
-    the configuration a command without options reads (Ledger.read_ahead), so that
+    """What a spare of the resident helper does while it waits: build the click group
+    (app.built: the command it then runs uses it), and decode the ledger of the
+    configuration a command without options reads (Ledger.read_ahead), so that
     `status` of a large ledger does not decode it again while nothing changed."""
+    from charly_arbiter.cli.app import built
     from charly_arbiter.compose import open_ledger
     from charly_arbiter.core.config import load_config
 
+    built(COMMANDS)
     ledger = open_ledger(load_config())
     return f"read {ledger.path} ahead: {ledger.read_ahead()} leases"

