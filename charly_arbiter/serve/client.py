@@ -68,11 +68,9 @@ class NotServed(Exception):
 
 
 def environment_bytes() -> dict[bytes, bytes]:
-    """This process's environment: `os.environb` once `os` is imported (it follows
-    changes made through os.environ), else posix's, the environment the process
-    started with, which nothing has changed on the program's path."""
-    os_module = sys.modules.get("os")
-    return posix.environ if os_module is None else os_module.environb
+    """This process's environment: `posix.environ` is the very dict os.environ and
+    os.environb keep it in, so a change made through them is seen here too."""
+    return posix.environ
 
 
 def getenv(name: str) -> str | None:

@@ -69,14 +69,26 @@ def test_a_command_handed_over_imports_neither_os_nor_future(
     assert "os" in _imported(alone.stderr)
 
 
-def _client(code: str, python: str = sys.executable) -> subprocess.CompletedProcess[str]:
-    """`code` after importing the client the way the program does (-S, no `os`)."""
-    prelude = f"import sys; sys.path.append({str(REPO)!r}); "
+def _client(
+    code: str,
+    python: str = sys.executable,
+    entry: str = str(REPO),
+    cwd: Path | None = None,
+    **environ: str,
+) -> subprocess.CompletedProcess[str]:
+    """`code` after importing the client the way the program does (-S, no `os`), from
+    the path entry `entry`, put first so that no PYTHONPATH finds the package before it."""
+    prelude = f"import sys; sys.path.insert(0, {entry!r}); "
     prelude += "from charly_arbiter.serve import client; "
     # Buffered as the program's stdout is (PYTHONUNBUFFERED would hide a lost flush).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
     return subprocess.run(
-        [python, "-S", "-c", prelude + code], env=env, capture_output=True, text=True, timeout=60
+        [python, "-S", "-c", prelude + code],
+        env={**env, **environ},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -108,19 +120,7 @@ def test_the_package_directory_is_what_os_path_makes_of_it(tmp_path: Path) -> No
     wanted = os.path.dirname(os.path.dirname(os.path.abspath(REPO / "charly_arbiter/serve/x")))
     spellings = [str(REPO), f"{REPO}/.", f"{REPO}/../{REPO.name}", os.path.relpath(REPO, tmp_path)]
     for spelling in spellings:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-S",
-                "-c",
-                f"import sys; sys.path.insert(0, {spelling!r}); "
-                "from charly_arbiter.serve import client; print(client.package_directory())",
-            ],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        done = _client("print(client.package_directory())", entry=spelling, cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         assert done.stdout.strip() == wanted, spelling
 
@@ -131,18 +131,6 @@ def test_the_environment_follows_os_environ_once_os_is_imported() -> None:
         "import os; os.environ['CHARLY_T'] = 'changed'; "
         "print(client.getenv('CHARLY_T'), client.environment_bytes()[b'CHARLY_T'].decode())"
     )
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-S",
-            "-c",
-            f"import sys; sys.path.append({str(REPO)!r}); "
-            "from charly_arbiter.serve import client; " + code,
-        ],
-        env={**os.environ, "CHARLY_T": "at start"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = _client(code, CHARLY_T="at start")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split(" ", 2) == ["at", "start", "changed changed\n"]
